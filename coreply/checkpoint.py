@@ -1,0 +1,148 @@
+"""Checkpoint format: a directory with ``model.safetensors``, ``tokenizer/`` and ``checkpoint.json``
+(kind, model config, backbone config, sha256 of every file, and a content hash over them). No pickle.
+Writes are atomic (temporary directory renamed into place); loads verify every hash first."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_model, save_model
+from transformers import AutoTokenizer
+
+from coreply.config import ModelConfig
+from coreply.models import BiEncoder, CrossEncoder
+
+FORMAT = "coreply-checkpoint/1"
+META = "checkpoint.json"
+WEIGHTS = "model.safetensors"
+KINDS: dict[str, type[BiEncoder] | type[CrossEncoder]] = {"bi": BiEncoder, "cross": CrossEncoder}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that is missing, malformed or does not match its recorded hashes."""
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _content_hash(files: dict[str, str]) -> str:
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+
+def _hash_tree(root: Path) -> dict[str, str]:
+    return {
+        p.relative_to(root).as_posix(): sha256_file(p)
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != META
+    }
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write JSON to ``path`` via a temporary file + fsync + rename."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    with open(tmp, "w") as fh:
+        json.dump(data, fh, indent=2, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Move a finished directory into place; an existing one is replaced only after the new one is whole."""
+    if final.exists():
+        old = final.with_name(f".{final.name}.{uuid.uuid4().hex}.old")
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, final)
+
+
+def save_checkpoint(
+    model: BiEncoder | CrossEncoder, path: str | Path, extra: dict[str, Any] | None = None
+) -> str:
+    """Save ``model`` to directory ``path`` atomically; returns its content hash.
+    ``extra`` is free-form provenance (training command, metrics) stored in ``checkpoint.json``."""
+    final = Path(path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex}.tmp")
+    tmp.mkdir()
+    try:
+        save_model(model, str(tmp / WEIGHTS))
+        model.tokenizer.hf.save_pretrained(str(tmp / "tokenizer"))
+        files = _hash_tree(tmp)
+        meta = {
+            "format": FORMAT,
+            "kind": model.kind,
+            "model_config": model.config.to_dict(),
+            "backbone_config": model.backbone_config(),
+            "files": files,
+            "content_hash": _content_hash(files),
+            "extra": extra or {},
+        }
+        write_json_atomic(tmp / META, meta)
+        replace_dir(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return meta["content_hash"]
+
+
+def read_meta(path: str | Path, verify: bool = True) -> dict[str, Any]:
+    """Read and (by default) verify ``checkpoint.json`` against the files; raises :class:`CheckpointError`."""
+    root = Path(path)
+    meta_path = root / META
+    if not meta_path.is_file():
+        raise CheckpointError(f"{root}: not a coreply checkpoint (no {META})")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{meta_path}: invalid JSON ({exc})") from exc
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{meta_path}: unsupported format {meta.get('format')!r}, expected {FORMAT!r}")
+    if meta.get("kind") not in KINDS:
+        raise CheckpointError(f"{meta_path}: unknown kind {meta.get('kind')!r}")
+    if verify:
+        recorded = meta.get("files", {})
+        actual = _hash_tree(root)
+        for name in sorted(set(recorded) | set(actual)):
+            if recorded.get(name) != actual.get(name):
+                what = (
+                    "missing" if name not in actual else "unexpected" if name not in recorded else "corrupted"
+                )
+                raise CheckpointError(f"{root / name}: {what} (sha256 does not match {META})")
+        if meta.get("content_hash") != _content_hash(recorded):
+            raise CheckpointError(f"{meta_path}: content_hash does not match the file hashes")
+    return meta
+
+
+def load_checkpoint(
+    path: str | Path, device: str | torch.device = "cpu", expect: str | None = None
+) -> BiEncoder | CrossEncoder:
+    """Load a verified checkpoint in eval mode; ``expect`` ('bi' or 'cross') refuses the other kind."""
+    root = Path(path)
+    meta = read_meta(root)
+    if expect is not None and meta["kind"] != expect:
+        raise CheckpointError(f"{root}: is a {meta['kind']}-encoder checkpoint, expected a {expect}-encoder")
+    config = ModelConfig.from_dict(meta["model_config"])
+    tokenizer = AutoTokenizer.from_pretrained(str(root / "tokenizer"))
+    model = KINDS[meta["kind"]].from_backbone_config(config, meta["backbone_config"], tokenizer)
+    missing, unexpected = load_model(model, str(root / WEIGHTS), strict=False)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{root}: weights do not fit the config (missing={missing}, unexpected={unexpected})"
+        )
+    model.content_hash = meta["content_hash"]
+    return model.to(device).eval()

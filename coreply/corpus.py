@@ -1,0 +1,88 @@
+"""Dialogue pairs, the built-in chitchat corpus and its conversation-level split, and the response pool."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from coreply.text import normalize
+
+SPLITS = ("train", "valid", "test")
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A context (oldest turn first) and its gold response. ``negatives`` are given distractors (benchmark
+    formats that ship them); empty for corpora where negatives are sampled."""
+
+    context: tuple[str, ...]
+    response: str
+    conversation_id: str = ""
+    negatives: tuple[str, ...] = field(default=())
+
+
+def split_of(conversation_id: str) -> str:
+    """sha1(conversation_id) % 100: < 5 -> test, < 10 -> valid, else train."""
+    bucket = int(hashlib.sha1(conversation_id.encode("utf-8")).hexdigest(), 16) % 100
+    return "test" if bucket < 5 else "valid" if bucket < 10 else "train"
+
+
+def pairs_from_turns(turns: Sequence[str], conversation_id: str, max_turns: int) -> list[Pair]:
+    """For every turn i >= 1: context = the previous <= max_turns turns, response = turn i."""
+    return [
+        Pair(tuple(turns[max(0, i - max_turns) : i]), turns[i], conversation_id) for i in range(1, len(turns))
+    ]
+
+
+def chitchat_turns(conversation: dict) -> list[str]:
+    """Consecutive messages of one sender joined with a space; empty turns dropped."""
+    grouped: list[tuple[str, list[str]]] = []
+    for group in conversation["messages"]:
+        for message in group:
+            if grouped and grouped[-1][0] == message["sender"]:
+                grouped[-1][1].append(message["text"])
+            else:
+                grouped.append((message["sender"], [message["text"]]))
+    turns = (" ".join(texts).strip() for _, texts in grouped)
+    return [t for t in turns if t]
+
+
+def chitchat_path() -> Path:
+    try:
+        import chitchat_dataset
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise RuntimeError(
+            "the default corpus needs PyPI 'chitchat-dataset==0.9.0' (pip install 'coreply[data]')"
+        ) from exc
+    return Path(chitchat_dataset._PATH)
+
+
+def load_chitchat(max_turns: int = 5, path: str | Path | None = None) -> dict[str, list[Pair]]:
+    """The built-in corpus as {split: pairs}; 118,111 / 6,623 / 6,823 pairs with the package's data."""
+    with open(path or chitchat_path()) as fh:
+        conversations = json.load(fh)
+    splits: dict[str, list[Pair]] = {name: [] for name in SPLITS}
+    for conversation_id, conversation in conversations.items():
+        turns = chitchat_turns(conversation)
+        splits[split_of(conversation_id)].extend(pairs_from_turns(turns, conversation_id, max_turns))
+    return splits
+
+
+def build_pool(texts: Iterable[str]) -> list[str]:
+    """Distinct texts by :func:`normalize`, first spelling kept, in first-seen order (stable ids)."""
+    seen: set[str] = set()
+    pool = []
+    for text in texts:
+        key = normalize(text)
+        if key and key not in seen:
+            seen.add(key)
+            pool.append(text)
+    return pool
+
+
+def responses_of(splits: dict[str, list[Pair]]) -> list[str]:
+    """Every response of every split, for the retrieval pool."""
+    return [pair.response for name in SPLITS for pair in splits.get(name, [])]

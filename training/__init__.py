@@ -1,0 +1,1 @@
+"""Training (CORE and its baselines) and evaluation of coreply's retriever and reranker."""

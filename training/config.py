@@ -1,0 +1,71 @@
+"""Training configuration (kept free of heavy imports so the CLI can build its parser instantly)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from coreply.config import ModelConfig
+
+Mode = Literal["independent", "distill", "core", "mutual"]
+MODES: tuple[str, ...] = ("independent", "distill", "core", "mutual")
+
+
+@dataclass
+class TrainConfig:
+    """Defaults are the CORE paper's (Sec. 4.3) unless a comment says otherwise."""
+
+    mode: Mode = "core"
+    output_dir: str = "runs/core"
+    models: Literal["both", "bi", "cross"] = "both"  # which models `independent` trains
+    teacher: str | None = None  # cross-encoder checkpoint for `distill`
+    init_bi: str | None = None  # start from these checkpoints instead of the base model
+    init_cross: str | None = None
+    model: ModelConfig = field(default_factory=ModelConfig)
+    num_negatives: int = 32  # delta_r
+    batch_size: int = 8  # contexts per step and process
+    grad_accum: int = 1
+    lr: float = 5e-5
+    weight_decay: float = 0.01
+    warmup_ratio: float = 0.1
+    epochs: int = 1
+    max_steps: int | None = None  # optimizer steps; the budget for equal-budget comparisons
+    tau: float = 3.0
+    gamma_r: float = 1.0
+    gamma_g: float = 3.0
+    alpha: float = 1.0  # `mutual`: weight of both KL terms
+    in_batch: bool = False  # bi-encoder also ranks the other contexts' candidates
+    hard_negatives: int = 0  # how many of the delta_r negatives are mined by the current retriever
+    hard_refresh: int = 200  # steps between re-embeddings of the mining pool
+    hard_pool: int = 20_000  # responses sampled for mining
+    hard_top: int = 50  # mine among the retriever's top-k
+    grad_clip: float = 10.0  # the precursor paper's value
+    seed: int = 42
+    eval_every: int = 200
+    valid_size: int = 500
+    valid_candidates: int = 100  # protocol A list size on the validation split
+    patience: int = 5  # evaluations without a new best before early stopping
+    log_every: int = 10
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.model, dict):
+            self.model = ModelConfig.from_dict(self.model)
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.mode == "distill" and not self.teacher:
+            raise ValueError("mode 'distill' needs --teacher (a trained cross-encoder checkpoint)")
+        if self.hard_negatives > self.num_negatives:
+            raise ValueError("hard_negatives cannot exceed num_negatives")
+        if self.num_negatives < 1 or self.batch_size < 1 or self.grad_accum < 1:
+            raise ValueError("num_negatives, batch_size and grad_accum must be >= 1")
+
+    @property
+    def trains_bi(self) -> bool:
+        return self.mode != "independent" or self.models in ("both", "bi")
+
+    @property
+    def trains_cross(self) -> bool:
+        return self.mode in ("core", "mutual") or (
+            self.mode == "independent" and self.models in ("both", "cross")
+        )

@@ -1,0 +1,228 @@
+"""Evaluation protocols.
+
+* Protocol A ("1-of-N", DSTC7 sub-task 1 style): per test pair, the gold + N-1 negatives drawn with a
+  fixed seed from the split's responses whose normalised text differs from the gold's. Scored by the
+  bi-encoder, the cross-encoder and their sum.
+* Protocol B ("full pool", DSTC7 sub-task 2 style): retrieve from the pool (BM25 or bi-encoder + FAISS
+  exact inner product), drop echoes of the context, rerank the top n_r with the cross-encoder and fuse.
+A hit is a retrieved text whose normalised form equals the gold's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from coreply.corpus import Pair
+from coreply.models import BiEncoder, CrossEncoder
+from coreply.text import normalize
+from training.metrics import gold_rank, summarize
+from training.sampling import NegativeSampler
+
+
+def protocol_a_lists(
+    pairs: Sequence[Pair], pool: Sequence[str], size: int = 100, seed: int = 0
+) -> list[list[str]]:
+    """Candidate lists, gold first. Pairs that ship their own negatives (benchmark files) use those."""
+    sampler = NegativeSampler(pool)
+    rng = np.random.default_rng([seed, 3])
+    lists = []
+    for pair in pairs:
+        negatives = list(pair.negatives[: size - 1]) or sampler.sample(pair.response, size - 1, rng)
+        lists.append([pair.response, *negatives])
+    return lists
+
+
+def score_lists_bi(
+    bi: BiEncoder, contexts: Sequence[Sequence[str]], lists: Sequence[Sequence[str]]
+) -> list[np.ndarray]:
+    texts = sorted({t for candidates in lists for t in candidates})
+    index = {t: i for i, t in enumerate(texts)}
+    responses = bi.embed_responses(texts)  # [T, D]
+    queries = bi.embed_contexts(contexts)  # [B, D]
+    return [
+        (responses[[index[t] for t in cands]] @ q).numpy() for q, cands in zip(queries, lists, strict=True)
+    ]
+
+
+def score_lists_cross(
+    cross: CrossEncoder, contexts: Sequence[Sequence[str]], lists: Sequence[Sequence[str]]
+) -> list[np.ndarray]:
+    flat_c = [c for c, cands in zip(contexts, lists, strict=True) for _ in cands]
+    flat_r = [t for cands in lists for t in cands]
+    scores = cross.score_pairs(flat_c, flat_r).numpy()
+    out, start = [], 0
+    for cands in lists:
+        out.append(scores[start : start + len(cands)])
+        start += len(cands)
+    return out
+
+
+def evaluate_lists(
+    pairs: Sequence[Pair],
+    lists: Sequence[Sequence[str]],
+    bi: BiEncoder | None = None,
+    cross: CrossEncoder | None = None,
+) -> dict[str, dict]:
+    """Protocol A for whichever models are given: {'bi'|'cross'|'sum': {'metrics', 'ranks'}}."""
+    contexts = [p.context for p in pairs]
+    scores: dict[str, list[np.ndarray]] = {}
+    if bi is not None:
+        scores["bi"] = score_lists_bi(bi, contexts, lists)
+    if cross is not None:
+        scores["cross"] = score_lists_cross(cross, contexts, lists)
+    if bi is not None and cross is not None:
+        scores["sum"] = [b + c for b, c in zip(scores["bi"], scores["cross"], strict=True)]
+    out = {}
+    for name, per_pair in scores.items():
+        ranks = [gold_rank(s) for s in per_pair]
+        out[name] = {"metrics": summarize(ranks), "ranks": ranks}
+    return out
+
+
+# ----------------------------------------------------------------------------------------- protocol B
+
+Retrieve = Callable[[Sequence[Sequence[str]], int], tuple[np.ndarray, np.ndarray]]
+"""(contexts, k) -> (pool indices [B, k], scores [B, k]), best first."""
+
+
+class BM25Retriever:
+    """BM25 over the pool (``bm25s``); the query is the context's utterances joined."""
+
+    def __init__(self, pool: Sequence[str]) -> None:
+        import bm25s
+
+        self._bm25s = bm25s
+        self.model = bm25s.BM25()
+        self.model.index(bm25s.tokenize(list(pool), show_progress=False), show_progress=False)
+        self.size = len(pool)
+
+    def __call__(self, contexts: Sequence[Sequence[str]], k: int) -> tuple[np.ndarray, np.ndarray]:
+        tokens = self._bm25s.tokenize([" ".join(c) for c in contexts], show_progress=False)
+        ids, scores = self.model.retrieve(tokens, k=min(k, self.size), show_progress=False)
+        return np.asarray(ids), np.asarray(scores)
+
+
+class DenseRetriever:
+    """Bi-encoder + FAISS exact inner-product search over the pool."""
+
+    def __init__(self, bi: BiEncoder, pool: Sequence[str]) -> None:
+        import faiss
+
+        embeddings = bi.embed_responses(pool).numpy().astype("float32")  # [P, D]
+        self.index = faiss.IndexFlatIP(embeddings.shape[1])
+        self.index.add(embeddings)
+        self.bi = bi
+
+    def __call__(self, contexts: Sequence[Sequence[str]], k: int) -> tuple[np.ndarray, np.ndarray]:
+        queries = self.bi.embed_contexts(contexts).numpy().astype("float32")
+        scores, ids = self.index.search(queries, min(k, self.index.ntotal))
+        return ids, scores
+
+
+def drop_echoes(context: Sequence[str], ids: np.ndarray, scores: np.ndarray, pool_keys: Sequence[str]):
+    """Remove pool entries whose normalised text equals an utterance of the context."""
+    said = {normalize(u) for u in context}
+    keep = [j for j, i in enumerate(ids) if i >= 0 and pool_keys[i] not in said]
+    return ids[keep], scores[keep]
+
+
+def zscore(x: np.ndarray) -> np.ndarray:
+    return (x - x.mean()) / (x.std() + 1e-6)
+
+
+FUSIONS = ("retrieval", "rerank", "sum", "zscore")
+
+
+def fuse(mode: str, retrieval: np.ndarray, rerank: np.ndarray, weight: float = 0.5) -> np.ndarray:
+    """Final scores of one query's candidates. ``sum`` is the precursor paper's Eq. 10; ``zscore`` is
+    ``weight * z(retrieval) + (1 - weight) * z(rerank)`` with per-query standardisation."""
+    if mode == "retrieval":
+        return retrieval
+    if mode == "rerank":
+        return rerank
+    if mode == "sum":
+        return retrieval + rerank
+    if mode == "zscore":
+        return weight * zscore(retrieval) + (1 - weight) * zscore(rerank)
+    raise ValueError(f"unknown fusion {mode!r}; expected one of {FUSIONS}")
+
+
+@dataclass
+class Retrieved:
+    """Per query: candidate pool ids and retrieval scores after echo removal; cross scores of the top n."""
+
+    ids: list[np.ndarray]
+    retrieval: list[np.ndarray]
+    rerank: list[np.ndarray]
+    retrieve_s: float
+    rerank_s: float
+
+
+def retrieve_and_rerank(
+    pairs: Sequence[Pair],
+    pool: Sequence[str],
+    pool_keys: Sequence[str],
+    retrieve: Retrieve,
+    depth: int,
+    cross: CrossEncoder | None,
+    rerank_depth: int,
+) -> Retrieved:
+    """Retrieve ``depth`` echo-free candidates per query and cross-score the first ``rerank_depth``."""
+    contexts = [p.context for p in pairs]
+    start = time.perf_counter()
+    extra = max(
+        len(c) for c in contexts
+    )  # the pool is de-duplicated, so at most one entry per utterance echoes
+    all_ids, all_scores = retrieve(contexts, depth + extra)
+    ids, retrieval = [], []
+    for context, row_ids, row_scores in zip(contexts, all_ids, all_scores, strict=True):
+        kept_ids, kept_scores = drop_echoes(context, row_ids, row_scores, pool_keys)
+        ids.append(kept_ids[:depth])
+        retrieval.append(kept_scores[:depth].astype(float))
+    retrieve_s = time.perf_counter() - start
+    start = time.perf_counter()
+    rerank = []
+    if cross is not None:
+        for context, row in zip(contexts, ids, strict=True):
+            top = row[:rerank_depth]
+            rerank.append(
+                cross.score_pairs([context] * len(top), [pool[i] for i in top]).numpy().astype(float)
+            )
+    return Retrieved(ids, retrieval, rerank, retrieve_s, time.perf_counter() - start)
+
+
+def ranks_for(
+    pairs: Sequence[Pair],
+    pool_keys: Sequence[str],
+    got: Retrieved,
+    fusion: str,
+    n_r: int,
+    weight: float = 0.5,
+) -> list[float]:
+    """Rank of the gold under a fusion of the top ``n_r`` (``retrieval`` ranks the whole retrieved list)."""
+    ranks = []
+    for i, pair in enumerate(pairs):
+        gold = normalize(pair.response)
+        if fusion == "retrieval":
+            ids = got.ids[i]
+            order = np.arange(len(ids))
+        else:
+            ids = got.ids[i][:n_r]
+            scores = fuse(fusion, got.retrieval[i][:n_r], got.rerank[i][:n_r], weight)
+            order = np.argsort(-scores, kind="stable")
+        hits = [r for r, j in enumerate(order) if pool_keys[ids[j]] == gold]
+        ranks.append(float(hits[0] + 1) if hits else float("inf"))
+    return ranks
+
+
+def choose_zscore_weight(pairs: Sequence[Pair], pool_keys: Sequence[str], got: Retrieved, n_r: int) -> float:
+    """The z-score fusion weight with the best hits@1 (then MRR) on validation, from a 0.0..1.0 grid."""
+    best = (-1.0, -1.0, 0.0)
+    for weight in np.linspace(0, 1, 11):
+        m = summarize(ranks_for(pairs, pool_keys, got, "zscore", n_r, float(weight)))
+        best = max(best, (m["hits@1"], m["mrr"], float(weight)))
+    return best[2]

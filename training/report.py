@@ -1,0 +1,251 @@
+"""`coreply eval` (score one retriever/reranker combination on protocols A and B, write JSON) and
+`coreply report` (merge several eval JSONs into a markdown results table with significance)."""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from coreply.checkpoint import load_checkpoint, write_json_atomic
+from coreply.config import ModelConfig
+from coreply.corpus import Pair, build_pool
+from coreply.models import BiEncoder
+from coreply.text import normalize
+from training.evaluation import (
+    BM25Retriever,
+    DenseRetriever,
+    choose_zscore_weight,
+    evaluate_lists,
+    protocol_a_lists,
+    ranks_for,
+    retrieve_and_rerank,
+)
+from training.metrics import KS, paired_bootstrap, per_case, summarize
+
+ZERO_SHOT = "zero-shot"
+
+
+def load_bi(spec: str, device: str) -> BiEncoder:
+    """A bi-encoder checkpoint, or ``zero-shot``: all-MiniLM-L6-v2 as published (mean pooling, cosine)."""
+    if spec == ZERO_SHOT:
+        return BiEncoder.from_pretrained(ModelConfig(share_towers=True, normalize=True)).to(device).eval()
+    return load_checkpoint(spec, device, expect="bi")  # type: ignore[return-value]
+
+
+@dataclass
+class EvalSpec:
+    name: str
+    bi: str | None
+    cross: str | None
+    test: list[Pair]
+    valid: list[Pair]
+    pool: list[str]
+    protocols: tuple[str, ...] = ("A", "B")
+    retrievers: tuple[str, ...] = ("bi",)
+    n_r: tuple[int, ...] = (10, 50, 100, 200)
+    candidates: int = 100
+    seed: int = 0
+    device: str = "cpu"
+
+
+def _row(name: str, ranks: list[float], **extra: Any) -> dict[str, Any]:
+    return {"system": name, "metrics": summarize(ranks), "ranks": ranks, **extra}
+
+
+def run_eval(spec: EvalSpec) -> dict[str, Any]:
+    """Evaluate and return {'meta', 'A': [rows], 'B': [rows], 'sweep': [...]}; rows keep per-case ranks."""
+    bi = load_bi(spec.bi, spec.device) if spec.bi else None
+    cross = load_checkpoint(spec.cross, spec.device, expect="cross") if spec.cross else None
+    bi_name = _label(spec.bi, "Bi")
+    cross_name = _label(spec.cross, "Cross")
+    result: dict[str, Any] = {"A": [], "B": [], "sweep": []}
+    if "A" in spec.protocols:
+        lists = protocol_a_lists(spec.test, [p.response for p in spec.test], spec.candidates, spec.seed)
+        scored = evaluate_lists(spec.test, lists, bi, cross)  # type: ignore[arg-type]
+        names = {"bi": bi_name, "cross": cross_name, "sum": f"{bi_name} + {cross_name} (sum)"}
+        result["A"] = [_row(names[k], v["ranks"]) for k, v in scored.items()]
+    if "B" in spec.protocols:
+        keys = [normalize(t) for t in spec.pool]
+        depth = max(max(KS), *spec.n_r)
+        for retriever_name in spec.retrievers:
+            if retriever_name == "bm25":
+                retrieve, label = BM25Retriever(spec.pool), "BM25"
+            else:
+                if bi is None:
+                    raise ValueError("retriever 'bi' needs --bi")
+                retrieve, label = DenseRetriever(bi, spec.pool), bi_name  # type: ignore[assignment]
+            t0 = time.perf_counter()
+            got = retrieve_and_rerank(spec.test, spec.pool, keys, retrieve, depth, cross, max(spec.n_r))
+            per_case_ms = 1000 * got.retrieve_s / len(spec.test)
+            result["B"].append(
+                _row(
+                    label,
+                    ranks_for(spec.test, keys, got, "retrieval", depth),
+                    ms_per_case=round(per_case_ms, 2),
+                )
+            )
+            if cross is None:
+                continue
+            valid_got = (
+                retrieve_and_rerank(spec.valid, spec.pool, keys, retrieve, depth, cross, max(spec.n_r))
+                if spec.valid
+                else None
+            )
+            for n_r in spec.n_r:
+                # Rerank time scales with n_r: charge each n_r its share of the measured rerank time.
+                ms = per_case_ms + 1000 * got.rerank_s / len(spec.test) * n_r / max(spec.n_r)
+                weight = choose_zscore_weight(spec.valid, keys, valid_got, n_r) if spec.valid else 0.5
+                for fusion, title in (
+                    ("rerank", "rerank"),
+                    ("sum", "sum"),
+                    ("zscore", f"z-score w={weight:.1f}"),
+                ):
+                    ranks = ranks_for(spec.test, keys, got, fusion, n_r, weight)
+                    name = f"{label} → {cross_name} [{title}]"
+                    result["B"].append(_row(name, ranks, n_r=n_r, fusion=fusion, ms_per_case=round(ms, 2)))
+                    result["sweep"].append(
+                        {
+                            "system": f"{label} → {cross_name} [{fusion}]",
+                            "n_r": n_r,
+                            "hits@1": summarize(ranks)["hits@1"],
+                            "ms_per_case": ms,
+                        }
+                    )
+            print(f"  {label}: B done in {time.perf_counter() - t0:.0f}s", flush=True)
+    result["meta"] = {
+        "name": spec.name,
+        "bi": spec.bi,
+        "cross": spec.cross,
+        "bi_hash": getattr(bi, "content_hash", None),
+        "cross_hash": getattr(cross, "content_hash", None),
+        "test_pairs": len(spec.test),
+        "valid_pairs_for_calibration": len(spec.valid),
+        "pool_size": len(spec.pool),
+        "candidates_protocol_a": spec.candidates,
+        "n_r": list(spec.n_r),
+        "seed": spec.seed,
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()} {platform.processor() or ''} torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, device {spec.device}",
+    }
+    return result
+
+
+def _label(path: str | None, kind: str) -> str:
+    if path is None:
+        return kind
+    if path == ZERO_SHOT:
+        return "zero-shot MiniLM"
+    meta_path = Path(path) / "checkpoint.json"
+    mode = json.loads(meta_path.read_text()).get("extra", {}).get("train_config", {}).get("mode")
+    hard = json.loads(meta_path.read_text()).get("extra", {}).get("train_config", {}).get("hard_negatives")
+    suffix = {"core": "CORE", "mutual": "mutual", "distill": "distill"}.get(mode or "", "")
+    if hard:
+        suffix += "+hard" if suffix else "hard"
+    return f"{kind}-Enc ({suffix})" if suffix else f"{kind}-Enc"
+
+
+def write_eval(result: dict[str, Any], out: str | Path) -> None:
+    write_json_atomic(Path(out), result)
+
+
+# ----------------------------------------------------------------------------------------- report
+
+
+def _is_core(system: str) -> bool:
+    return "CORE" in system or "mutual" in system
+
+
+def render_markdown(
+    results: list[dict[str, Any]],
+    runs: dict[str, dict[str, Any]] | None = None,
+    scale: str = "",
+    metric_for_p: str = "hits@1",
+) -> str:
+    """Training table, then one table per protocol; p = paired bootstrap vs the best non-cooperative row."""
+    lines = [f"## Results{f' ({scale} scale)' if scale else ''}", ""]
+    metas = [r["meta"] for r in results if "meta" in r]
+    if metas:
+        m = metas[0]
+        lines += [
+            f"Evaluated {m['date']} on {m['machine']}; {m['test_pairs']} test pairs, pool of "
+            f"{m['pool_size']:,} responses, protocol A lists of {m['candidates_protocol_a']}, "
+            f"{m['valid_pairs_for_calibration']} validation pairs to choose the z-score weight.",
+            "",
+        ]
+    if runs:
+        lines += [
+            "| run | steps | examples seen | train time (s) | best valid hits@1 | device |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name, r in sorted(runs.items()):
+            best = ", ".join(f"{k} {v:.1f}" for k, v in r.get("best_valid_hits@1", {}).items())
+            lines.append(
+                f"| {name} | {r['steps']} | {r['examples_seen']} | {r['train_seconds']} | {best} | "
+                f"{r['device']} |"
+            )
+        lines.append("")
+    for protocol, title in (("A", "Protocol A (1 gold + 99 negatives)"), ("B", "Protocol B (full pool)")):
+        rows = [r for res in results for r in res.get(protocol, [])]
+        if not rows:
+            continue
+        unique: dict[str, dict[str, Any]] = {}
+        for r in rows:
+            key = r["system"] + (f" n_r={r['n_r']}" if "n_r" in r else "")
+            unique.setdefault(key, r)
+        sizes = {len(r["ranks"]) for r in unique.values()}
+        baselines = [(k, r) for k, r in unique.items() if not _is_core(r["system"])]
+        best_key, best = max(
+            baselines,
+            key=lambda kr: (kr[1]["metrics"][metric_for_p], kr[1]["metrics"]["mrr"]),
+            default=(None, None),
+        )
+        lines += [
+            f"### {title}",
+            "",
+            f"Cases: {', '.join(str(s) for s in sorted(sizes))}. "
+            f"p: one-sided paired bootstrap (10,000 resamples) on {metric_for_p} against the best "
+            f"non-cooperative row (**{best_key}**).",
+            "",
+        ]
+        cols = [f"hits@{k}" for k in KS] + ["mrr"]
+        extra = ["n_r", "ms/case"] if protocol == "B" else []
+        lines.append("| system | " + " | ".join(cols + extra) + " | p |")
+        lines.append("|" + "---|" * (len(cols) + len(extra) + 2))
+        for r in unique.values():
+            m = r["metrics"]
+            p = ""
+            if best is not None and _is_core(r["system"]) and len(r["ranks"]) == len(best["ranks"]):
+                ours, theirs = per_case(r["ranks"], metric_for_p), per_case(best["ranks"], metric_for_p)
+                p = f"{paired_bootstrap(ours, theirs):.3f}"
+            cells = [f"{m[c]:.1f}" for c in cols]
+            if protocol == "B":
+                cells += [str(r.get("n_r", "–")), f"{r.get('ms_per_case', float('nan')):.1f}"]
+            lines.append(f"| {r['system']} | " + " | ".join(cells) + f" | {p} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def merge_sweeps(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [s for res in results for s in res.get("sweep", [])]
+
+
+def pool_for_eval(all_responses: list[str], test: list[Pair], limit: int | None, seed: int) -> list[str]:
+    """The full de-duplicated pool, or (``limit``) the test golds plus a seeded sample of the rest."""
+    pool = build_pool(all_responses)
+    if limit is None or limit >= len(pool):
+        return pool
+    golds = build_pool([p.response for p in test])
+    gold_keys = {normalize(t) for t in golds}
+    rest = [t for t in pool if normalize(t) not in gold_keys]
+    rng = np.random.default_rng([seed, 5])
+    take = rng.choice(len(rest), size=max(0, limit - len(golds)), replace=False)
+    return golds + [rest[i] for i in sorted(take)]

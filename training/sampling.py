@@ -1,0 +1,92 @@
+"""Candidate lists for training: the positive first, then random and (optionally) retriever-mined hard
+negatives. Everything is a pure function of (seed, epoch, step), so a resumed or multi-process run draws
+exactly the same lists as an uninterrupted single-process one."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from coreply.corpus import Pair
+from coreply.text import normalize
+
+
+class NegativeSampler:
+    """Random negatives from a response pool, never equal (after normalisation) to the positive."""
+
+    def __init__(self, pool: Sequence[str]) -> None:
+        if len(pool) < 2:
+            raise ValueError("the negative pool needs at least 2 distinct responses")
+        self.pool = list(pool)
+        self.keys = [normalize(t) for t in self.pool]
+
+    def sample(
+        self, positive: str, count: int, rng: np.random.Generator, avoid: set[str] | None = None
+    ) -> list[str]:
+        gold = normalize(positive)
+        taken = {gold} | (avoid or set())
+        out: list[str] = []
+        attempts = 0
+        while len(out) < count:
+            i = int(rng.integers(len(self.pool)))
+            attempts += 1
+            if self.keys[i] in taken and attempts < 50 * (count + 1):
+                continue
+            taken.add(self.keys[i])
+            out.append(self.pool[i])
+        return out
+
+
+def epoch_order(size: int, seed: int, epoch: int) -> np.ndarray:
+    return np.random.default_rng([seed, epoch]).permutation(size)
+
+
+def step_rng(seed: int, epoch: int, step: int) -> np.random.Generator:
+    return np.random.default_rng([seed, epoch, step, 7])
+
+
+class HardNegativeMiner:
+    """Hard negatives for the candidate lists, mined by the *current* retriever.
+
+    Every ``refresh_every`` steps the response tower re-embeds a fixed sample of the training pool; for
+    each batch the context tower embeds the contexts and the top ``top_k`` pool entries by inner product
+    (minus the positive) are the candidates, of which ``count`` are drawn at random."""
+
+    def __init__(
+        self, pool: Sequence[str], count: int, refresh_every: int, sample_size: int, top_k: int, seed: int
+    ) -> None:
+        rng = np.random.default_rng([seed, 11])
+        take = min(sample_size, len(pool))
+        self.pool = [pool[i] for i in sorted(rng.choice(len(pool), size=take, replace=False))]
+        self.keys = [normalize(t) for t in self.pool]
+        self.count, self.refresh_every, self.top_k = count, refresh_every, top_k
+        self.embeddings: torch.Tensor | None = None  # [P, D]
+        self.refreshed_at = -1
+
+    def maybe_refresh(self, bi, step: int) -> None:
+        if self.embeddings is None or step - self.refreshed_at >= self.refresh_every:
+            was_training = bi.training
+            bi.eval()
+            self.embeddings = bi.embed_responses(self.pool)
+            bi.train(was_training)
+            self.refreshed_at = step
+
+    @torch.no_grad()
+    def mine(self, bi, pairs: Sequence[Pair], rng: np.random.Generator) -> list[list[str]]:
+        assert self.embeddings is not None, "call maybe_refresh first"
+        was_training = bi.training
+        bi.eval()
+        queries = bi.embed_contexts([p.context for p in pairs])  # [B, D]
+        bi.train(was_training)
+        top = torch.topk(
+            queries @ self.embeddings.T, k=min(self.top_k, len(self.pool)), dim=1
+        ).indices  # [B, k]
+        out = []
+        for pair, row in zip(pairs, top.tolist(), strict=True):
+            gold = normalize(pair.response)
+            choices = [i for i in row if self.keys[i] != gold]
+            picked = rng.choice(len(choices), size=min(self.count, len(choices)), replace=False)
+            out.append([self.pool[choices[j]] for j in sorted(picked)])
+        return out
