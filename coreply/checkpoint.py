@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_file, save_file
+from torch import nn
 from transformers import AutoTokenizer
 
 from coreply.config import ModelConfig
@@ -49,6 +50,31 @@ def _hash_tree(root: Path) -> dict[str, str]:
     }
 
 
+def save_weights(model: nn.Module, path: Path) -> None:
+    """Deterministic safetensors: tensors that alias another (shared towers) are stored once, under the
+    first name in sorted order, so equal weights always give equal bytes (and equal hashes)."""
+    seen: set[tuple[int, int]] = set()
+    tensors = {}
+    for name, tensor in sorted(model.state_dict().items()):
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        if key not in seen:
+            seen.add(key)
+            tensors[name] = tensor.detach().cpu().contiguous()
+    save_file(tensors, str(path))
+
+
+def load_weights(model: nn.Module, path: Path) -> None:
+    """Load :func:`save_weights` output; every parameter must be stored or alias a stored one."""
+    tensors = load_file(str(path))
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    stored = {id(p) for name, p in model.state_dict(keep_vars=True).items() if name in tensors}
+    really_missing = [k for k in missing if id(model.state_dict(keep_vars=True)[k]) not in stored]
+    if really_missing or unexpected:
+        raise CheckpointError(
+            f"{path}: weights do not fit the config (missing={really_missing}, unexpected={unexpected})"
+        )
+
+
 def write_json_atomic(path: Path, data: Any) -> None:
     """Write JSON to ``path`` via a temporary file + fsync + rename."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
@@ -80,7 +106,7 @@ def save_checkpoint(
     tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex}.tmp")
     tmp.mkdir()
     try:
-        save_model(model, str(tmp / WEIGHTS))
+        save_weights(model, tmp / WEIGHTS)
         model.tokenizer.hf.save_pretrained(str(tmp / "tokenizer"))
         files = _hash_tree(tmp)
         meta = {
@@ -139,10 +165,6 @@ def load_checkpoint(
     config = ModelConfig.from_dict(meta["model_config"])
     tokenizer = AutoTokenizer.from_pretrained(str(root / "tokenizer"))
     model = KINDS[meta["kind"]].from_backbone_config(config, meta["backbone_config"], tokenizer)
-    missing, unexpected = load_model(model, str(root / WEIGHTS), strict=False)
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{root}: weights do not fit the config (missing={missing}, unexpected={unexpected})"
-        )
+    load_weights(model, root / WEIGHTS)
     model.content_hash = meta["content_hash"]
     return model.to(device).eval()

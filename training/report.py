@@ -193,7 +193,11 @@ def render_markdown(
                 f"{r['device']} |"
             )
         lines.append("")
-    for protocol, title in (("A", "Protocol A (1 gold + 99 negatives)"), ("B", "Protocol B (full pool)")):
+    size = metas[0]["candidates_protocol_a"] if metas else 100
+    for protocol, title in (
+        ("A", f"Protocol A (1 gold + {size - 1} negatives)"),
+        ("B", "Protocol B (full pool)"),
+    ):
         rows = [r for res in results for r in res.get(protocol, [])]
         if not rows:
             continue
@@ -208,12 +212,12 @@ def render_markdown(
             key=lambda kr: (kr[1]["metrics"][metric_for_p], kr[1]["metrics"]["mrr"]),
             default=(None, None),
         )
+        against = f"the best non-cooperative row (**{best_key}**)" if best_key else "no baseline (none given)"
         lines += [
             f"### {title}",
             "",
-            f"Cases: {', '.join(str(s) for s in sorted(sizes))}. "
-            f"p: one-sided paired bootstrap (10,000 resamples) on {metric_for_p} against the best "
-            f"non-cooperative row (**{best_key}**).",
+            f"Cases: {', '.join(str(s) for s in sorted(sizes))}. p: one-sided paired bootstrap "
+            f"(10,000 resamples) on {metric_for_p} against {against}.",
             "",
         ]
         cols = [f"hits@{k}" for k in KS] + ["mrr"]

@@ -332,7 +332,10 @@ class Trainer:
             "schedulers": {k: s.state_dict() for k, s in self.schedulers.items()},
             "counters": torch.tensor([self.step, self.stale_evals, self.examples_seen], dtype=torch.long),
             "train_seconds": torch.tensor(self.train_seconds, dtype=torch.float64),
+            "rng": torch.get_rng_state(),  # dropout masks continue exactly after a resume
         }
+        if torch.cuda.is_available():
+            trainer_state["cuda_rng"] = torch.cuda.get_rng_state_all()
         tmp = state_dir / ".trainer.pt.tmp"
         torch.save(trainer_state, tmp)
         os.replace(tmp, state_dir / "trainer.pt")
@@ -354,6 +357,9 @@ class Trainer:
             s.load_state_dict(state["schedulers"][k])
         self.step, self.stale_evals, self.examples_seen = (int(x) for x in state["counters"].tolist())
         self.train_seconds = float(state["train_seconds"])
+        torch.set_rng_state(state["rng"].cpu())
+        if "cuda_rng" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all([t.cpu() for t in state["cuda_rng"]])
         self.best = json.loads((state_dir / "best.json").read_text())
         return True
 

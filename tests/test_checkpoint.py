@@ -1,0 +1,106 @@
+import json
+
+import pytest
+import torch
+
+from coreply.checkpoint import CheckpointError, load_checkpoint, read_meta, save_checkpoint
+from coreply.config import ModelConfig
+from coreply.models import BiEncoder, CrossEncoder
+
+CONTEXTS = [["hello", "how are you ?"], ["what is your favorite food ?"]]
+RESPONSES = ["i am fine", "pizza", "i like music"]
+
+
+def bi_scores(model):
+    return model.embed_contexts(CONTEXTS) @ model.embed_responses(RESPONSES).T
+
+
+def cross_scores(model):
+    return model.score_pairs([CONTEXTS[0]] * 3, RESPONSES)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"share_towers": True, "normalize": True},
+        {"projection_dim": 8, "pooling": "cls"},
+    ],
+)
+def test_bi_encoder_load_save_load_gives_identical_scores(tmp_path, tiny_model_dir, options):
+    model = BiEncoder.from_pretrained(ModelConfig(base_model=str(tiny_model_dir), **options)).eval()
+    first = save_checkpoint(model, tmp_path / "a")
+    loaded = load_checkpoint(tmp_path / "a", expect="bi")
+    save_checkpoint(loaded, tmp_path / "b")
+    again = load_checkpoint(tmp_path / "b")
+    assert torch.equal(bi_scores(model), bi_scores(loaded))
+    assert torch.equal(bi_scores(loaded), bi_scores(again))
+    assert first == again.content_hash == loaded.content_hash
+    assert loaded.config == model.config
+
+
+def test_towers_are_independent_unless_shared(tiny_model_dir):
+    separate = BiEncoder.from_pretrained(ModelConfig(base_model=str(tiny_model_dir)))
+    shared = BiEncoder.from_pretrained(ModelConfig(base_model=str(tiny_model_dir), share_towers=True))
+    assert separate.context_tower is not separate.response_tower
+    assert shared.context_tower is shared.response_tower
+
+
+def test_cross_encoder_round_trip_and_kind_check(tmp_path, tiny_model_dir):
+    model = CrossEncoder.from_pretrained(ModelConfig(base_model=str(tiny_model_dir))).eval()
+    save_checkpoint(model, tmp_path / "c", extra={"note": "x"})
+    loaded = load_checkpoint(tmp_path / "c")
+    assert torch.equal(cross_scores(model), cross_scores(loaded))
+    assert read_meta(tmp_path / "c")["extra"] == {"note": "x"}
+    with pytest.raises(CheckpointError, match="is a cross-encoder checkpoint, expected a bi-encoder"):
+        load_checkpoint(tmp_path / "c", expect="bi")
+
+
+def test_corrupted_missing_or_extra_files_are_refused(tmp_path, tiny_model_dir):
+    model = CrossEncoder.from_pretrained(ModelConfig(base_model=str(tiny_model_dir)))
+    root = tmp_path / "c"
+    save_checkpoint(model, root)
+    weights = root / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"model.safetensors: corrupted"):
+        load_checkpoint(root)
+    save_checkpoint(model, root)
+    (root / "stray.bin").write_bytes(b"x")
+    with pytest.raises(CheckpointError, match=r"stray.bin: unexpected"):
+        load_checkpoint(root)
+    save_checkpoint(model, root)
+    (root / "tokenizer" / "tokenizer.json").unlink()
+    with pytest.raises(CheckpointError, match=r"tokenizer.json: missing"):
+        load_checkpoint(root)
+    save_checkpoint(model, root)
+    meta = json.loads((root / "checkpoint.json").read_text())
+    meta["format"] = "something-else"
+    (root / "checkpoint.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="unsupported format"):
+        load_checkpoint(root)
+    with pytest.raises(CheckpointError, match="not a coreply checkpoint"):
+        load_checkpoint(tmp_path)
+
+
+def test_save_replaces_atomically_and_leaves_no_temporary_files(tmp_path, tiny_model_dir):
+    model = CrossEncoder.from_pretrained(ModelConfig(base_model=str(tiny_model_dir)))
+    save_checkpoint(model, tmp_path / "c")
+    save_checkpoint(model, tmp_path / "c")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
+
+
+def test_a_failed_save_keeps_the_previous_checkpoint(tmp_path, tiny_model_dir, monkeypatch):
+    model = CrossEncoder.from_pretrained(ModelConfig(base_model=str(tiny_model_dir)))
+    save_checkpoint(model, tmp_path / "c")
+    before = read_meta(tmp_path / "c")["content_hash"]
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("coreply.checkpoint.save_file", broken)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(model, tmp_path / "c")
+    assert read_meta(tmp_path / "c")["content_hash"] == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]

@@ -1,0 +1,100 @@
+import numpy as np
+import pytest
+import torch
+
+from coreply.config import ModelConfig
+from coreply.corpus import Pair
+from coreply.models import BiEncoder, CrossEncoder
+from coreply.text import normalize
+from training.evaluation import (
+    BM25Retriever,
+    DenseRetriever,
+    Retrieved,
+    drop_echoes,
+    evaluate_lists,
+    fuse,
+    protocol_a_lists,
+    ranks_for,
+    retrieve_and_rerank,
+)
+
+POOL = ["I love pizza", "i love  PIZZA", "yes i have a dog", "it is sunny", "hello", "good morning"]
+
+
+def test_protocol_a_lists_are_deterministic_with_gold_first_and_distinct_negatives():
+    pairs = [Pair(("what food ?",), "I love pizza"), Pair(("pet ?",), "yes i have a dog")]
+    lists = protocol_a_lists(pairs, POOL, size=4, seed=1)
+    assert lists == protocol_a_lists(pairs, POOL, size=4, seed=1)
+    for pair, cands in zip(pairs, lists, strict=True):
+        assert cands[0] == pair.response and len(cands) == 4
+        assert all(normalize(c) != normalize(pair.response) for c in cands[1:])
+        assert len({normalize(c) for c in cands}) == 4
+    shipped = Pair(("q",), "a", negatives=("b", "c", "d", "e"))
+    assert protocol_a_lists([shipped], POOL, size=3) == [["a", "b", "c"]]
+
+
+def test_echoes_of_the_context_are_dropped():
+    keys = [normalize(t) for t in POOL]
+    ids, scores = drop_echoes(["Hello", "what food ?"], np.array([4, 0, 5]), np.array([3.0, 2.0, 1.0]), keys)
+    assert ids.tolist() == [0, 5] and scores.tolist() == [2.0, 1.0]
+
+
+def test_fusion_math():
+    r, g = np.array([1.0, 2.0, 3.0]), np.array([3.0, 0.0, 0.0])
+    assert fuse("sum", r, g).tolist() == [4.0, 2.0, 3.0]
+    assert fuse("rerank", r, g) is g and fuse("retrieval", r, g) is r
+    z = fuse("zscore", r, g, weight=1.0)
+    assert z.mean() == pytest.approx(0.0, abs=1e-9) and np.argsort(z).tolist() == [0, 1, 2]
+    with pytest.raises(ValueError, match="unknown fusion"):
+        fuse("max", r, g)
+
+
+def test_ranks_for_rerank_and_sum_and_retrieval():
+    pool = ["a", "b", "c", "d"]
+    keys = pool
+    pairs = [Pair(("q",), "c"), Pair(("q",), "d")]
+    got = Retrieved(
+        ids=[np.array([0, 1, 2]), np.array([0, 1, 2])],
+        retrieval=[np.array([3.0, 2.0, 1.0]), np.array([3.0, 2.0, 1.0])],
+        rerank=[np.array([0.0, 0.0, 5.0]), np.array([1.0, 0.0, 0.0])],
+        retrieve_s=0.0,
+        rerank_s=0.0,
+    )
+    assert ranks_for(pairs, keys, got, "retrieval", 3) == [3.0, float("inf")]
+    assert ranks_for(pairs, keys, got, "rerank", 3) == [1.0, float("inf")]
+    assert ranks_for(pairs, keys, got, "sum", 3) == [1.0, float("inf")]  # 6 vs 3, 2
+    assert ranks_for(pairs, keys, got, "rerank", 2) == [float("inf"), float("inf")]  # gold beyond n_r
+
+
+def test_bm25_finds_the_lexically_matching_response():
+    retrieve = BM25Retriever(["the cat sat", "dogs bark loudly", "sunny weather today"])
+    ids, scores = retrieve([["is the weather sunny ?"]], 2)
+    assert ids[0][0] == 2 and scores[0][0] > scores[0][1]
+
+
+def test_dense_retriever_matches_brute_force_inner_product(tiny_model_dir):
+    torch.manual_seed(0)
+    bi = BiEncoder.from_pretrained(ModelConfig(base_model=str(tiny_model_dir))).eval()
+    retrieve = DenseRetriever(bi, POOL)
+    contexts = [["hello", "what food ?"], ["good morning"]]
+    ids, scores = retrieve(contexts, 3)
+    brute = bi.embed_contexts(contexts) @ bi.embed_responses(POOL).T
+    top = torch.topk(brute, 3, dim=1)
+    assert ids.tolist() == top.indices.tolist()
+    assert np.allclose(scores, top.values.numpy(), atol=1e-4)
+
+
+def test_evaluate_lists_and_retrieve_and_rerank_run_with_real_models(tiny_model_dir):
+    config = ModelConfig(base_model=str(tiny_model_dir))
+    bi, cross = BiEncoder.from_pretrained(config).eval(), CrossEncoder.from_pretrained(config).eval()
+    pairs = [Pair(("hello", "what food ?"), "I love pizza"), Pair(("pet ?",), "yes i have a dog")]
+    lists = protocol_a_lists(pairs, POOL, size=4)
+    result = evaluate_lists(pairs, lists, bi, cross)
+    assert set(result) == {"bi", "cross", "sum"}
+    assert all(len(r["ranks"]) == 2 and 1 <= min(r["ranks"]) <= 4 for r in result.values())
+    keys = [normalize(t) for t in POOL]
+    got = retrieve_and_rerank(
+        pairs, POOL, keys, DenseRetriever(bi, POOL), depth=4, cross=cross, rerank_depth=3
+    )
+    assert [len(x) for x in got.rerank] == [3, 3]
+    assert all(keys[i] != "hello" for i in got.ids[0])  # the echo of turn 1 is gone

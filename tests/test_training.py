@@ -1,0 +1,189 @@
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from coreply.checkpoint import load_checkpoint
+from coreply.config import ModelConfig
+from coreply.text import normalize
+from training.config import TrainConfig
+from training.losses import kl_to_target, listwise_ce
+from training.sampling import HardNegativeMiner, NegativeSampler
+from training.trainer import StepLosses, Trainer
+
+
+def config(tmp_path, tiny_model_dir, **kw) -> TrainConfig:
+    base = dict(
+        output_dir=str(tmp_path / "run"),
+        model=ModelConfig(base_model=str(tiny_model_dir), dropout=0.0),
+        num_negatives=3,
+        batch_size=4,
+        max_steps=4,
+        eval_every=2,
+        valid_size=8,
+        valid_candidates=4,
+        lr=3e-3,
+        device="cpu",
+        log_every=1,
+    )
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def pool_of(pairs):
+    return sorted({p.response for p in pairs})
+
+
+def records(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("mode", ["core", "mutual"])
+def test_cooperative_training_improves_both_models(tmp_path, tiny_model_dir, toy_pairs, mode):
+    cfg = config(
+        tmp_path, tiny_model_dir, mode=mode, batch_size=8, max_steps=40, eval_every=20, valid_size=16
+    )
+    summary = Trainer(cfg, toy_pairs, toy_pairs[:16], pool_of(toy_pairs)).fit()
+    start = records(tmp_path / "run")[0]["valid"]
+    assert summary["best_valid_hits@1"]["bi"] >= start["bi"]["hits@1"] + 40
+    assert summary["best_valid_hits@1"]["cross"] > start["cross"]["hits@1"]
+    for name in ("bi", "cross"):
+        assert load_checkpoint(tmp_path / "run" / name, expect=name)
+    assert (tmp_path / "run" / "training_curves.png").stat().st_size > 1000
+    assert summary["examples_seen"] == 40 * 8
+
+
+@pytest.mark.parametrize("in_batch", [False, True])
+def test_core_gradients_come_only_from_each_models_own_loss(tmp_path, tiny_model_dir, toy_pairs, in_batch):
+    """The retriever's KL target is the reranker's distribution and vice versa; neither KL may send
+    gradient into the model that produced its target."""
+    cfg = config(tmp_path, tiny_model_dir, mode="core", in_batch=in_batch, gamma_r=1.0, gamma_g=3.0, tau=3.0)
+    trainer = Trainer(cfg, toy_pairs, [], pool_of(toy_pairs))
+    trainer.bi.eval(), trainer.cross.eval()  # no dropout: the two computations below must agree exactly
+    pairs, rng = trainer._global_batch(0, 0)
+    lists = trainer._candidate_lists(pairs, rng)
+    trainer._micro_step(pairs, lists, 1.0, StepLosses())
+    got_bi = [p.grad.clone() for p in trainer.bi.parameters()]
+    got_cross = [p.grad.clone() for p in trainer.cross.parameters()]
+
+    contexts = [p.context for p in pairs]
+    R, R_all, R_targets = trainer._bi_scores(contexts, lists)
+    G = trainer._cross_scores(trainer.cross, contexts, lists)
+    bi_loss = listwise_ce(R_all, R_targets) + 1.0 * kl_to_target(G.detach(), R, 3.0)
+    cross_loss = listwise_ce(G) + 3.0 * kl_to_target(R.detach(), G, 3.0)
+    want_bi = torch.autograd.grad(bi_loss, list(trainer.bi.parameters()))
+    want_cross = torch.autograd.grad(cross_loss, list(trainer.cross.parameters()))
+    for got, want in zip(got_bi + got_cross, list(want_bi) + list(want_cross), strict=True):
+        assert torch.allclose(got, want, atol=1e-6, rtol=1e-4)
+    if in_batch:
+        assert R_all.shape == (4, 4 * 4) and R_targets.tolist() == [0, 4, 8, 12]
+
+
+def test_independent_and_distill_modes(tmp_path, tiny_model_dir, toy_pairs):
+    indep = config(tmp_path, tiny_model_dir, mode="independent", output_dir=str(tmp_path / "indep"))
+    Trainer(indep, toy_pairs, toy_pairs[:8], pool_of(toy_pairs)).fit()
+    distill = config(
+        tmp_path,
+        tiny_model_dir,
+        mode="distill",
+        teacher=str(tmp_path / "indep" / "cross"),
+        output_dir=str(tmp_path / "distill"),
+        hard_negatives=2,
+        hard_refresh=2,
+        hard_top=5,
+    )
+    trainer = Trainer(distill, toy_pairs, toy_pairs[:8], pool_of(toy_pairs))
+    assert trainer.cross is None and not any(p.requires_grad for p in trainer.teacher.parameters())
+    before = [p.clone() for p in trainer.teacher.parameters()]
+    summary = trainer.fit()
+    assert set(summary["best_valid_hits@1"]) == {"bi"}
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.teacher.parameters(), strict=True))
+    assert "bi_kl" in records(tmp_path / "distill")[1]
+
+
+def test_resume_continues_exactly_where_an_interrupted_run_stopped(
+    tmp_path, tiny_model_dir, toy_pairs, monkeypatch
+):
+    # The tiny model keeps BERT's dropout here, so this also checks that the RNG state is restored.
+    cfg = dict(mode="core", max_steps=6, eval_every=3, model=ModelConfig(base_model=str(tiny_model_dir)))
+    straight = Trainer(
+        config(tmp_path, tiny_model_dir, output_dir=str(tmp_path / "a"), **cfg),
+        toy_pairs,
+        toy_pairs[:8],
+        pool_of(toy_pairs),
+    )
+    straight.fit()
+
+    interrupted = Trainer(
+        config(tmp_path, tiny_model_dir, output_dir=str(tmp_path / "b"), **cfg),
+        toy_pairs,
+        toy_pairs[:8],
+        pool_of(toy_pairs),
+    )
+    real_step = interrupted.train_step
+
+    def crash_after_three(epoch, index):
+        if interrupted.step == 4:
+            raise KeyboardInterrupt
+        return real_step(epoch, index)
+
+    monkeypatch.setattr(interrupted, "train_step", crash_after_three)
+    with pytest.raises(KeyboardInterrupt):
+        interrupted.fit()
+    resumed = Trainer(
+        config(tmp_path, tiny_model_dir, output_dir=str(tmp_path / "b"), **cfg),
+        toy_pairs,
+        toy_pairs[:8],
+        pool_of(toy_pairs),
+    )
+    summary = resumed.fit()
+    assert summary["steps"] == 6 and summary["examples_seen"] == 6 * 4
+    for a, b in zip(straight.bi.parameters(), resumed.bi.parameters(), strict=True):
+        assert torch.allclose(a, b, atol=1e-6)
+    for a, b in zip(straight.cross.parameters(), resumed.cross.parameters(), strict=True):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_early_stopping_after_patience_evaluations_without_a_new_best(tmp_path, tiny_model_dir, toy_pairs):
+    cfg = config(tmp_path, tiny_model_dir, mode="core", lr=0.0, max_steps=20, eval_every=2, patience=2)
+    summary = Trainer(cfg, toy_pairs, toy_pairs[:8], pool_of(toy_pairs)).fit()
+    assert summary["stopped_early"] and summary["steps"] == 4
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="needs --teacher"):
+        TrainConfig(mode="distill")
+    with pytest.raises(ValueError, match="cannot exceed"):
+        TrainConfig(num_negatives=2, hard_negatives=3)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        TrainConfig(mode="adversarial")
+
+
+def test_negative_sampler_never_returns_the_positive():
+    sampler = NegativeSampler(["Yes", "yes ", "no", "maybe", "sure"])
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        negatives = sampler.sample("YES", 3, rng)
+        assert "yes" not in {normalize(n) for n in negatives}
+        assert len({normalize(n) for n in negatives}) == 3
+
+
+def test_hard_negative_miner_takes_the_retrievers_top_candidates_except_the_gold(tiny_model_dir, toy_pairs):
+    from coreply.models import BiEncoder
+
+    bi = BiEncoder.from_pretrained(ModelConfig(base_model=str(tiny_model_dir))).eval()
+    pool = pool_of(toy_pairs) + [f"filler {i}" for i in range(20)]
+    miner = HardNegativeMiner(pool, count=2, refresh_every=5, sample_size=len(pool), top_k=3, seed=0)
+    miner.maybe_refresh(bi, step=0)
+    mined = miner.mine(bi, toy_pairs[:6], np.random.default_rng(0))
+    scores = bi.embed_contexts([p.context for p in toy_pairs[:6]]) @ miner.embeddings.T
+    for pair, negatives, row in zip(toy_pairs[:6], mined, scores, strict=True):
+        top = {miner.pool[i] for i in torch.topk(row, 3).indices.tolist()}
+        assert len(negatives) == 2 and set(negatives) <= top
+        assert normalize(pair.response) not in {normalize(n) for n in negatives}
+    first = miner.embeddings
+    miner.maybe_refresh(bi, step=3)
+    assert miner.embeddings is first  # not yet due
+    miner.maybe_refresh(bi, step=5)
+    assert miner.embeddings is not first
