@@ -13,7 +13,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from coreply.config import ModelConfig
+from coreply.config import ZERO_SHOT, ModelConfig
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -136,12 +136,16 @@ def _eval_parser(sub) -> None:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
+    from coreply.checkpoint import read_meta
     from coreply.corpus import responses_of
     from coreply.device import resolve_device
     from training.report import EvalSpec, pool_for_eval, run_eval, write_eval
 
     if not args.bi and not args.cross and "bm25" not in args.retriever:
         raise CliError("eval: give --bi, --cross or --retriever bm25")
+    for path in (args.bi, args.cross):  # fail fast, before minutes of data loading
+        if path and path != ZERO_SHOT:
+            read_meta(path)
     splits = _load_data(args.data, args.max_turns)
     if args.split not in splits:
         raise CliError(f"eval: split {args.split!r} not in the data (has {sorted(splits)})")

@@ -8,6 +8,9 @@ from typing import Any, Literal
 
 Pooling = Literal["cls", "mean"]
 
+ZERO_SHOT = "zero-shot"
+"""Model spec meaning all-MiniLM-L6-v2 as published (shared towers, mean pooling, cosine), untrained here."""
+
 
 @dataclass(frozen=True)
 class ModelConfig:

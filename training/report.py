@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from coreply.checkpoint import load_checkpoint, write_json_atomic
-from coreply.config import ModelConfig
+from coreply.config import ZERO_SHOT, ModelConfig
 from coreply.corpus import Pair, build_pool
 from coreply.models import BiEncoder
 from coreply.text import normalize
@@ -29,8 +29,6 @@ from training.evaluation import (
     retrieve_and_rerank,
 )
 from training.metrics import KS, paired_bootstrap, per_case, summarize
-
-ZERO_SHOT = "zero-shot"
 
 
 def load_bi(spec: str, device: str) -> BiEncoder:

@@ -1,0 +1,41 @@
+# coreply: `make serve` (install + serve the built-in default), `make test` (install + run the tests).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install serve test test-full lint results-cpu results-gpu clean
+
+# The pinned CPU torch goes in first: an unpinned torch would pull several GB of CUDA packages.
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: install
+	$(BIN)/coreply serve
+
+test: install
+	$(BIN)/python -m pytest -q
+
+# Also the tests that need the real all-MiniLM-L6-v2 weights (slow) and CUDA (skipped without it).
+test-full: install
+	$(BIN)/python -m pytest -q -m ""
+
+lint: install
+	$(BIN)/ruff check .
+
+results-cpu: install
+	PATH=$(abspath $(BIN)):$$PATH SCALE=cpu bash scripts/results_table.sh
+
+results-gpu: install
+	PATH=$(abspath $(BIN)):$$PATH SCALE=gpu bash scripts/results_table.sh
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

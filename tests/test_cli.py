@@ -1,0 +1,133 @@
+"""`coreply train`, `eval` and `report` end to end as a user runs them, on a tiny model and JSONL data."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def coreply(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "coreply.cli", *args], capture_output=True, text=True, cwd=cwd, timeout=600
+    )
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory, toy_pairs):
+    path = tmp_path_factory.mktemp("data") / "toy.jsonl"
+    path.write_text(
+        "".join(json.dumps({"context": list(p.context), "response": p.response}) + "\n" for p in toy_pairs)
+    )
+    return path
+
+
+def test_train_eval_report_end_to_end(tmp_path, tiny_model_dir, data_file):
+    run = tmp_path / "run"
+    trained = coreply(
+        "train",
+        "--mode",
+        "core",
+        "--data",
+        str(data_file),
+        "--valid-data",
+        str(data_file),
+        "--base-model",
+        str(tiny_model_dir),
+        "-o",
+        str(run),
+        "--max-steps",
+        "3",
+        "--eval-every",
+        "3",
+        "--num-negatives",
+        "3",
+        "--batch-size",
+        "4",
+        "--valid-size",
+        "8",
+        "--valid-candidates",
+        "4",
+        "--device",
+        "cpu",
+    )
+    assert trained.returncode == 0, trained.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["mode"] == "core"
+    assert {"bi", "cross", "state"} <= {p.name for p in run.iterdir()}
+    assert len((run / "metrics.jsonl").read_text().splitlines()) >= 3
+
+    out = tmp_path / "eval.json"
+    evaluated = coreply(
+        "eval",
+        "--bi",
+        str(run / "bi"),
+        "--cross",
+        str(run / "cross"),
+        "--data",
+        str(data_file),
+        "--split",
+        "train",
+        "--limit",
+        "10",
+        "--candidates",
+        "5",
+        "--retriever",
+        "bm25",
+        "bi",
+        "--n-r",
+        "2",
+        "4",
+        "--device",
+        "cpu",
+        "--out",
+        str(out),
+    )
+    assert evaluated.returncode == 0, evaluated.stderr
+    result = json.loads(out.read_text())
+    assert {r["system"] for r in result["A"]} == {
+        "Bi-Enc (CORE)",
+        "Cross-Enc (CORE)",
+        "Bi-Enc (CORE) + Cross-Enc (CORE) (sum)",
+    }
+    systems = {(r["system"], r.get("n_r")) for r in result["B"]}
+    assert ("BM25", None) in systems and ("Bi-Enc (CORE) → Cross-Enc (CORE) [sum]", 4) in systems
+    assert all(r["metrics"]["n"] == 10 for r in result["A"] + result["B"])
+    assert "Bi-Enc (CORE)" in evaluated.stdout
+
+    md = tmp_path / "results.md"
+    reported = coreply(
+        "report",
+        str(out),
+        "--runs",
+        str(run / "summary.json"),
+        "--out",
+        str(md),
+        "--plot",
+        str(tmp_path / "nr.png"),
+    )
+    assert reported.returncode == 0, reported.stderr
+    text = md.read_text()
+    assert "### Protocol A" in text and "### Protocol B" in text and "| run |" in text
+    assert (tmp_path / "nr.png").stat().st_size > 1000
+
+
+def test_user_errors_are_one_line_messages_with_exit_code_2(tmp_path, tiny_model_dir):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"context": ["hi"], "response": ""}\n')
+    result = coreply(
+        "train", "--data", str(bad), "-o", str(tmp_path / "r"), "--base-model", str(tiny_model_dir)
+    )
+    assert result.returncode == 2
+    assert "bad.jsonl:1: field 'response'" in result.stderr and "Traceback" not in result.stderr
+
+    result = coreply(
+        "eval", "--bi", str(tmp_path / "missing"), "--out", str(tmp_path / "e.json"), "--data", str(bad)
+    )
+    assert result.returncode == 2 and "not a coreply checkpoint" in result.stderr
+
+    result = coreply("train", "--mode", "distill", "-o", str(tmp_path / "r"), "--data", str(bad))
+    assert result.returncode == 2 and "needs --teacher" in result.stderr
+
+    result = coreply("serve")
+    assert result.returncode == 2 and "not built yet" in result.stdout
