@@ -136,10 +136,10 @@ def _eval_parser(sub) -> None:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from coreply.checkpoint import read_meta
+    from coreply.checkpoint import read_meta, write_json_atomic
     from coreply.corpus import responses_of
     from coreply.device import resolve_device
-    from training.report import EvalSpec, pool_for_eval, run_eval, write_eval
+    from training.report import EvalSpec, pool_for_eval, run_eval
 
     if not args.bi and not args.cross and "bm25" not in args.retriever:
         raise CliError("eval: give --bi, --cross or --retriever bm25")
@@ -166,7 +166,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         device=str(resolve_device(args.device)),
     )
     result = run_eval(spec)
-    write_eval(result, args.out)
+    write_json_atomic(Path(args.out), result)
     for protocol in ("A", "B"):
         for row in result[protocol]:
             m = row["metrics"]
@@ -184,10 +184,11 @@ def _report_parser(sub) -> None:
     p.add_argument("--plot", default=None, help="PNG of hits@1 and ms/case against n_r")
     p.add_argument("--runs", nargs="*", default=[], help="training summary.json files for the training table")
     p.add_argument("--scale", default="", help="label for the header (e.g. cpu, gpu)")
+    p.add_argument("--curves", default=None, help="PNG of every run's validation hits@1 (needs --runs)")
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from training.plots import plot_nr_sweep
+    from training.plots import plot_nr_sweep, plot_runs
     from training.report import merge_sweeps, render_markdown
 
     results = []
@@ -198,6 +199,8 @@ def _cmd_report(args: argparse.Namespace) -> int:
             raise CliError(f"report: cannot read {path}: {exc}") from exc
     runs = {Path(p).parent.name: json.loads(Path(p).read_text()) for p in args.runs}
     Path(args.out).write_text(render_markdown(results, runs, args.scale))
+    if args.curves and args.runs:
+        plot_runs({Path(p).parent.name: Path(p).parent / "metrics.jsonl" for p in args.runs}, args.curves)
     if args.plot and merge_sweeps(results):
         plot_nr_sweep(merge_sweeps(results), args.plot)
     print(f"wrote {args.out}")

@@ -40,7 +40,7 @@ evaluate distill --bi "$RUNS/distill/bi" --protocol A B
 evaluate core --bi "$RUNS/core/bi" --cross "$RUNS/core/cross"
 evaluate mutual --bi "$RUNS/mutual/bi" --cross "$RUNS/mutual/cross"
 # Beyond the paper: CORE with retriever-mined hard negatives for the candidate lists.
-train core-hard --mode core --hard-negatives ${HARD:-3} --hard-pool ${HARD_POOL:-5000}
+train core-hard --mode core --hard-negatives ${HARD:-3} --hard-pool ${HARD_POOL:-5000} --hard-refresh ${HARD_REFRESH:-40}
 evaluate core-hard --bi "$RUNS/core-hard/bi" --cross "$RUNS/core-hard/cross"
 
 coreply report "$RUNS"/eval-*.json --runs "$RUNS"/*/summary.json --scale "$SCALE" \

@@ -105,11 +105,14 @@ def test_train_eval_report_end_to_end(tmp_path, tiny_model_dir, data_file):
         str(md),
         "--plot",
         str(tmp_path / "nr.png"),
+        "--curves",
+        str(tmp_path / "curves.png"),
     )
     assert reported.returncode == 0, reported.stderr
     text = md.read_text()
     assert "### Protocol A" in text and "### Protocol B" in text and "| run |" in text
     assert (tmp_path / "nr.png").stat().st_size > 1000
+    assert (tmp_path / "curves.png").stat().st_size > 1000
 
 
 def test_user_errors_are_one_line_messages_with_exit_code_2(tmp_path, tiny_model_dir):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -45,7 +44,3 @@ def paired_bootstrap(a: np.ndarray, b: np.ndarray, samples: int = 10_000, seed: 
     idx = rng.integers(0, diff.size, size=(samples, diff.size))
     means = diff[idx].mean(axis=1)
     return float((np.sum(means <= 0) + 1) / (samples + 1))
-
-
-def finite_or_none(x: float) -> float | None:
-    return None if math.isinf(x) else x

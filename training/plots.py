@@ -39,6 +39,26 @@ def plot_training_curves(metrics_jsonl: str | Path, out_png: str | Path) -> None
     plt.close(fig)
 
 
+def plot_runs(metrics_by_run: dict[str, str | Path], out_png: str | Path) -> None:
+    """Validation hits@1 of each run's bi- and cross-encoder against the step (the CORE paper's Fig. 3)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for run, path in sorted(metrics_by_run.items()):
+        records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+        for model, style in (("bi", "-"), ("cross", "--")):
+            points = [
+                (r["step"], r["valid"][model]["hits@1"]) for r in records if model in r.get("valid", {})
+            ]
+            if points:
+                ax.plot(*zip(*points, strict=True), style, marker="o", label=f"{run} {model}")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("valid hits@1 (%)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+
+
 def plot_nr_sweep(sweep: list[dict[str, Any]], out_png: str | Path) -> None:
     """``sweep``: [{'system', 'n_r', 'hits@1', 'ms_per_case'}]; hits@1 and latency against n_r."""
     plt = _pyplot()

@@ -3,18 +3,16 @@
 
 from __future__ import annotations
 
-import json
 import platform
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from coreply.checkpoint import load_checkpoint, write_json_atomic
+from coreply.checkpoint import load_checkpoint, read_meta
 from coreply.config import ZERO_SHOT, ModelConfig
 from coreply.corpus import Pair, build_pool
 from coreply.models import BiEncoder
@@ -142,17 +140,11 @@ def _label(path: str | None, kind: str) -> str:
         return kind
     if path == ZERO_SHOT:
         return "zero-shot MiniLM"
-    meta_path = Path(path) / "checkpoint.json"
-    mode = json.loads(meta_path.read_text()).get("extra", {}).get("train_config", {}).get("mode")
-    hard = json.loads(meta_path.read_text()).get("extra", {}).get("train_config", {}).get("hard_negatives")
-    suffix = {"core": "CORE", "mutual": "mutual", "distill": "distill"}.get(mode or "", "")
-    if hard:
+    train_config = read_meta(path, verify=False).get("extra", {}).get("train_config", {})
+    suffix = {"core": "CORE", "mutual": "mutual", "distill": "distill"}.get(train_config.get("mode", ""), "")
+    if train_config.get("hard_negatives"):
         suffix += "+hard" if suffix else "hard"
     return f"{kind}-Enc ({suffix})" if suffix else f"{kind}-Enc"
-
-
-def write_eval(result: dict[str, Any], out: str | Path) -> None:
-    write_json_atomic(Path(out), result)
 
 
 # ----------------------------------------------------------------------------------------- report

@@ -89,9 +89,8 @@ class Trainer:
         self.out = Path(config.output_dir)
         self.bi, self.cross, self.teacher = self._build_models()
         self.global_batch = config.batch_size * config.grad_accum * self.world
-        steps_per_epoch = max(1, len(self.train_pairs) // self.global_batch)
-        self.steps_per_epoch = steps_per_epoch
-        self.total_steps = config.max_steps or steps_per_epoch * config.epochs
+        self.steps_per_epoch = max(1, len(self.train_pairs) // self.global_batch)
+        self.total_steps = config.max_steps or self.steps_per_epoch * config.epochs
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         self.schedulers: dict[str, Any] = {}
         self.wrapped: dict[str, torch.nn.Module] = {}
@@ -403,22 +402,24 @@ class Trainer:
             dynamic_ncols=True,
         )
         stopped_early = False
-        window_start, window_examples = time.perf_counter(), 0
+        window = StepLosses()  # losses summed over the logging window
+        window_start, window_steps = time.perf_counter(), 0
         while self.step < self.total_steps and not stopped_early:
             epoch, index = divmod(self.step, self.steps_per_epoch)
             t0 = time.perf_counter()
-            losses = self.train_step(epoch, index)
+            for name, value in self.train_step(epoch, index).items():
+                window.values[name] = window.values.get(name, 0.0) + value
             self.train_seconds += time.perf_counter() - t0
-            window_examples += self.global_batch
+            window_steps += 1
             bar.update(1)
             if self.step % cfg.log_every == 0 or self.step == self.total_steps:
-                rate = window_examples / max(1e-9, time.perf_counter() - window_start)
-                window_start, window_examples = time.perf_counter(), 0
+                rate = window_steps * self.global_batch / max(1e-9, time.perf_counter() - window_start)
+                means = {k: v / window_steps for k, v in window.values.items()}
+                window, window_start, window_steps = StepLosses(), time.perf_counter(), 0
                 lr = self.schedulers[next(iter(self.schedulers))].get_last_lr()[0]
-                self._log({"step": self.step, "epoch": epoch, "lr": lr, "examples_per_s": rate, **losses})
+                self._log({"step": self.step, "epoch": epoch, "lr": lr, "examples_per_s": rate, **means})
                 bar.set_postfix(
-                    {k: f"{v:.3f}" for k, v in losses.items() if k.endswith("_loss")}
-                    | {"ex/s": f"{rate:.1f}"}
+                    {k: f"{v:.3f}" for k, v in means.items() if k.endswith("_loss")} | {"ex/s": f"{rate:.1f}"}
                 )
             if self.step % cfg.eval_every == 0 or self.step == self.total_steps:
                 valid = self.validate()
