@@ -44,8 +44,4 @@ train core-hard --mode core --hard-negatives ${HARD:-3} --hard-pool ${HARD_POOL:
 evaluate core-hard --bi "$RUNS/core-hard/bi" --cross "$RUNS/core-hard/cross"
 
 coreply report "$RUNS"/eval-*.json --runs "$RUNS"/*/summary.json --scale "$SCALE" \
-  --out "$OUT/results-$SCALE.md" --plot "$OUT/nr-sweep-$SCALE.png"
-mkdir -p "$OUT/curves-$SCALE"
-for run in independent distill core mutual core-hard; do
-  cp "$RUNS/$run/training_curves.png" "$OUT/curves-$SCALE/$run.png"
-done
+  --out "$OUT/results-$SCALE.md" --plot "$OUT/nr-sweep-$SCALE.png" --curves "$OUT/curves-$SCALE.png"
