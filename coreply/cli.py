@@ -150,6 +150,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     if args.split not in splits:
         raise CliError(f"eval: split {args.split!r} not in the data (has {sorted(splits)})")
     test = splits[args.split][: args.limit or None]
+    negatives = [p.response for p in splits[args.split]]
     valid = splits.get("valid", [])[: args.valid_limit]
     spec = EvalSpec(
         name=args.name or Path(args.out).stem,
@@ -158,6 +159,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         test=test,
         valid=valid,
         pool=pool_for_eval(responses_of(splits), test, args.pool_limit, args.seed),
+        negatives=negatives,
         protocols=tuple(args.protocol),
         retrievers=tuple(args.retriever),
         n_r=tuple(args.n_r),

@@ -93,6 +93,8 @@ def test_train_eval_report_end_to_end(tmp_path, tiny_model_dir, data_file):
     systems = {(r["system"], r.get("n_r")) for r in result["B"]}
     assert ("BM25", None) in systems and ("Bi-Enc (CORE) → Cross-Enc (CORE) [sum]", 4) in systems
     assert all(r["metrics"]["n"] == 10 for r in result["A"] + result["B"])
+    # protocol A negatives come from the whole split, not only the evaluated (limited) pairs
+    assert result["meta"]["protocol_a_negative_pool"] == 48 and result["meta"]["test_pairs"] == 10
     assert "Bi-Enc (CORE)" in evaluated.stdout
 
     md = tmp_path / "results.md"

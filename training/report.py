@@ -44,6 +44,7 @@ class EvalSpec:
     test: list[Pair]
     valid: list[Pair]
     pool: list[str]
+    negatives: list[str]  # protocol A draws negatives from these: the responses of the *whole* split
     protocols: tuple[str, ...] = ("A", "B")
     retrievers: tuple[str, ...] = ("bi",)
     n_r: tuple[int, ...] = (10, 50, 100, 200)
@@ -64,7 +65,7 @@ def run_eval(spec: EvalSpec) -> dict[str, Any]:
     cross_name = _label(spec.cross, "Cross")
     result: dict[str, Any] = {"A": [], "B": [], "sweep": []}
     if "A" in spec.protocols:
-        lists = protocol_a_lists(spec.test, [p.response for p in spec.test], spec.candidates, spec.seed)
+        lists = protocol_a_lists(spec.test, spec.negatives, spec.candidates, spec.seed)
         scored = evaluate_lists(spec.test, lists, bi, cross)  # type: ignore[arg-type]
         names = {"bi": bi_name, "cross": cross_name, "sum": f"{bi_name} + {cross_name} (sum)"}
         result["A"] = [_row(names[k], v["ranks"]) for k, v in scored.items()]
@@ -126,6 +127,7 @@ def run_eval(spec: EvalSpec) -> dict[str, Any]:
         "valid_pairs_for_calibration": len(spec.valid),
         "pool_size": len(spec.pool),
         "candidates_protocol_a": spec.candidates,
+        "protocol_a_negative_pool": len(spec.negatives),
         "n_r": list(spec.n_r),
         "seed": spec.seed,
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
