@@ -131,7 +131,7 @@ def run_eval(spec: EvalSpec) -> dict[str, Any]:
         "n_r": list(spec.n_r),
         "seed": spec.seed,
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
-        "machine": f"{platform.machine()} {platform.processor() or ''} torch {torch.__version__}, "
+        "machine": f"{platform.machine()}, torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads, device {spec.device}",
     }
     return result
