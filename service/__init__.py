@@ -1,0 +1,1 @@
+"""The /respond service (FastAPI). Not built yet (issue #3)."""
