@@ -67,8 +67,9 @@ def load_weights(model: nn.Module, path: Path) -> None:
     """Load :func:`save_weights` output; every parameter must be stored or alias a stored one."""
     tensors = load_file(str(path))
     missing, unexpected = model.load_state_dict(tensors, strict=False)
-    stored = {id(p) for name, p in model.state_dict(keep_vars=True).items() if name in tensors}
-    really_missing = [k for k in missing if id(model.state_dict(keep_vars=True)[k]) not in stored]
+    params = model.state_dict(keep_vars=True)
+    stored = {id(params[name]) for name in tensors if name in params}
+    really_missing = [k for k in missing if id(params[k]) not in stored]
     if really_missing or unexpected:
         raise CheckpointError(
             f"{path}: weights do not fit the config (missing={really_missing}, unexpected={unexpected})"
