@@ -17,8 +17,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoTokenizer
 
-from coreply.config import ModelConfig
+from coreply.config import ZERO_SHOT, ModelConfig
 from coreply.models import BiEncoder, CrossEncoder
+from coreply.tokenization import DialogueTokenizer
 
 FORMAT = "coreply-checkpoint/1"
 META = "checkpoint.json"
@@ -169,3 +170,18 @@ def load_checkpoint(
     load_weights(model, root / WEIGHTS)
     model.content_hash = meta["content_hash"]
     return model.to(device).eval()
+
+
+def load_bi(spec: str | Path, device: str | torch.device = "cpu") -> BiEncoder:
+    """A bi-encoder checkpoint, or ``zero-shot``: all-MiniLM-L6-v2 as published (shared towers, mean
+    pooling, cosine)."""
+    if str(spec) == ZERO_SHOT:
+        return BiEncoder.from_pretrained(ModelConfig(share_towers=True, normalize=True)).to(device).eval()
+    return load_checkpoint(spec, device, expect="bi")  # type: ignore[return-value]
+
+
+def load_dialogue_tokenizer(path: str | Path) -> DialogueTokenizer:
+    """The input formatting of a checkpoint without loading its weights (for ONNX serving)."""
+    meta = read_meta(path, verify=False)
+    tokenizer = AutoTokenizer.from_pretrained(str(Path(path) / "tokenizer"))
+    return DialogueTokenizer(tokenizer, ModelConfig.from_dict(meta["model_config"]))

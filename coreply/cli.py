@@ -1,4 +1,4 @@
-"""The ``coreply`` command: ``train``, ``eval``, ``report`` (and ``index`` / ``serve`` once built).
+"""The ``coreply`` command: ``train``, ``eval``, ``report``, ``index`` (build / add / verify), ``serve``.
 
 Heavy modules are imported inside each subcommand so ``coreply --help`` stays instant."""
 
@@ -209,14 +209,117 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _not_built(name: str):
-    def run(args: argparse.Namespace) -> int:
-        print(
-            f"coreply {name}: not built yet (see the index/service issue); training and eval are available."
-        )
-        return 2
+def _index_parser(sub) -> None:
+    p = sub.add_parser("index", help="build, extend or verify a serving bundle")
+    isub = p.add_subparsers(dest="index_command", required=True)
+    b = isub.add_parser(
+        "build", help="encode a response pool into a bundle (models + FAISS index + manifest)"
+    )
+    b.add_argument("--output", "-o", required=True, help="bundle directory to write (replaced atomically)")
+    b.add_argument("--bi", default=ZERO_SHOT, help="bi-encoder checkpoint dir, or 'zero-shot' (default)")
+    b.add_argument("--cross", default=None, help="cross-encoder checkpoint dir (none: retrieval only)")
+    b.add_argument("--pool", default="chitchat", help="'chitchat' (built-in) or a .txt / .jsonl pool file")
+    b.add_argument("--queries", default=None, help="pairs file whose contexts measure ANN recall")
+    b.add_argument("--factory", default="Flat", help="FAISS factory string, e.g. Flat, IVF1024,Flat, HNSW32")
+    b.add_argument("--search-params", default="", help="e.g. nprobe=16 or efSearch=128")
+    b.add_argument("--onnx", choices=["int8", "fp32", "none"], default="int8")
+    b.add_argument("--device", default="auto")
+    a = isub.add_parser("add", help="append responses to a bundle without re-encoding the others")
+    a.add_argument("bundle")
+    a.add_argument("pool", help=".txt (one per line) or .jsonl ({'text': ...}) file")
+    v = isub.add_parser("verify", help="check a bundle's hashes, counts and model ties")
+    v.add_argument("bundle")
 
-    return run
+
+def _cmd_index(args: argparse.Namespace) -> int:
+    from coreply.readers import read_pairs, read_pool
+
+    if args.index_command == "verify":
+        from index_builder.build import verify_bundle
+
+        manifest = verify_bundle(args.bundle)
+        count = manifest["index"]["count"]
+        print(f"{args.bundle}: ok (version {manifest['bundle_version']}, {count} responses)")
+        return 0
+    if args.index_command == "add":
+        from index_builder.build import add_responses
+
+        manifest = add_responses(args.bundle, read_pool(args.pool))
+        print(f"{args.bundle}: version {manifest['bundle_version']}, {manifest['index']['count']} responses")
+        return 0
+    from index_builder.build import build_bundle
+
+    if args.pool == "chitchat":
+        from coreply.corpus import load_chitchat, responses_of
+
+        splits = load_chitchat()
+        texts = responses_of(splits)
+        queries = [p.context for p in splits["valid"][:500]]
+    else:
+        texts, queries = read_pool(args.pool), []
+    if args.queries:
+        queries = [p.context for p in read_pairs(args.queries)][:500]
+    manifest = build_bundle(
+        args.output,
+        texts,
+        bi=args.bi,
+        cross=args.cross,
+        factory=args.factory,
+        search_params=args.search_params,
+        onnx=args.onnx,
+        queries=queries,
+        device=args.device,
+        pool_source=args.pool,
+    )
+    info = manifest["index"]
+    print(
+        f"wrote {args.output}: {info['count']} responses, dim {info['dim']}, {info['factory']}, "
+        f"recall vs exact {info['recall_vs_exact'] or 'not measured (no queries)'}, "
+        f"{manifest['build']['total_seconds']} s"
+    )
+    return 0
+
+
+def _serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve POST /respond (builds the default bundle on first use)")
+    p.add_argument(
+        "--bundle", default=None, help="bundle dir (env COREPLY_BUNDLE; default: the built-in one)"
+    )
+    p.add_argument("--host", default=None)
+    p.add_argument("--port", type=int, default=None)
+    p.add_argument("--backend", choices=["auto", "onnx", "torch"], default=None)
+    p.add_argument("--threads", type=int, default=None, help="intra-op threads (0 = measure at start)")
+    p.add_argument("--device", default=None)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from coreply.bundle import MANIFEST
+    from service.app import create_app
+    from service.settings import DEFAULT_BUNDLE, Settings
+
+    overrides = {
+        k: getattr(args, k)
+        for k in ("bundle", "host", "port", "backend", "threads", "device")
+        if getattr(args, k) is not None
+    }
+    settings = Settings(**overrides)
+    if not (settings.bundle / MANIFEST).is_file():
+        if settings.bundle != DEFAULT_BUNDLE:
+            raise CliError(f"no bundle at {settings.bundle}; build one with `coreply index build -o DIR`")
+        from index_builder.default import build_default_bundle
+
+        print(
+            f"building the default bundle in {settings.bundle} (first start only; a few minutes)", flush=True
+        )
+        build_default_bundle(settings.bundle)
+    else:  # fail fast with a clear message rather than inside the server's lifespan
+        from coreply.bundle import read_manifest
+
+        read_manifest(settings.bundle)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -225,8 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
     _train_parser(sub)
     _eval_parser(sub)
     _report_parser(sub)
-    sub.add_parser("index", help="build a serving bundle (not built yet)")
-    sub.add_parser("serve", help="serve /respond (not built yet)")
+    _index_parser(sub)
+    _serve_parser(sub)
     return parser
 
 
@@ -234,19 +337,20 @@ COMMANDS: dict[str, Any] = {
     "train": _cmd_train,
     "eval": _cmd_eval,
     "report": _cmd_report,
-    "index": _not_built("index"),
-    "serve": _not_built("serve"),
+    "index": _cmd_index,
+    "serve": _cmd_serve,
 }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from coreply.bundle import BundleError
     from coreply.checkpoint import CheckpointError
     from coreply.readers import DataError
 
     try:
         return COMMANDS[args.command](args)
-    except (CliError, DataError, CheckpointError, FileNotFoundError, ValueError) as exc:
+    except (CliError, DataError, CheckpointError, BundleError, FileNotFoundError, ValueError) as exc:
         print(f"coreply {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -157,7 +157,7 @@ class BiEncoder(_Encoder):
     @torch.inference_mode()
     def embed_contexts(self, contexts: Sequence[Sequence[str]], batch_size: int = 64) -> torch.Tensor:
         """Embed many contexts (float32, on CPU): [N, D]."""
-        return _batched(
+        return batched(
             contexts,
             batch_size,
             lambda chunk: self.encode_context(self.tokenizer.contexts(chunk).to(self.device)),
@@ -166,7 +166,7 @@ class BiEncoder(_Encoder):
     @torch.inference_mode()
     def embed_responses(self, responses: Sequence[str], batch_size: int = 128) -> torch.Tensor:
         """Embed many responses (float32, on CPU): [N, D]."""
-        return _batched(
+        return batched(
             responses,
             batch_size,
             lambda chunk: self.encode_response(self.tokenizer.responses(chunk).to(self.device)),
@@ -219,7 +219,7 @@ class CrossEncoder(_Encoder):
     ) -> torch.Tensor:
         """Score (contexts[i], responses[i]) for many pairs (float32, on CPU): [N]."""
         items = list(zip(contexts, responses, strict=True))
-        return _batched(
+        return batched(
             items,
             batch_size,
             lambda chunk: self(
@@ -228,7 +228,7 @@ class CrossEncoder(_Encoder):
         )
 
 
-def _batched(items: Sequence[Any], batch_size: int, run) -> torch.Tensor:
+def batched(items: Sequence[Any], batch_size: int, run) -> torch.Tensor:
     """Run ``run`` over length-sorted chunks (padding dominates on short texts); results in input order."""
     if not items:
         return torch.empty(0)

@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny import write_tiny_model
 
+from coreply.config import ModelConfig
 from coreply.corpus import Pair
 
 
@@ -40,3 +41,52 @@ def toy_pairs() -> list[Pair]:
         for name, (question, answer) in TOPICS.items():
             pairs.append(Pair(("hello", f"hi how are you {round_}", question), answer, f"{name}-{round_}"))
     return pairs
+
+
+POOL_EXTRA = ["hello", "ok then", "see you later", "that is funny", "what do you mean ?"]
+
+
+@pytest.fixture(scope="session")
+def tiny_core(tmp_path_factory, tiny_model_dir, toy_pairs) -> Path:
+    """A tiny bi- and cross-encoder trained together (CORE) on the toy task: ``run/bi``, ``run/cross``."""
+    from training.config import TrainConfig
+    from training.trainer import Trainer
+
+    out = tmp_path_factory.mktemp("tiny-core") / "run"
+    config = TrainConfig(
+        output_dir=str(out),
+        model=ModelConfig(base_model=str(tiny_model_dir), dropout=0.0),
+        mode="core",
+        num_negatives=3,
+        batch_size=8,
+        max_steps=60,
+        eval_every=30,
+        valid_size=16,
+        valid_candidates=4,
+        lr=3e-3,
+        device="cpu",
+        log_every=30,
+    )
+    Trainer(config, toy_pairs, toy_pairs[:16], sorted({p.response for p in toy_pairs})).fit()
+    return out
+
+
+def toy_pool() -> list[str]:
+    return [answer for _, answer in TOPICS.values()] + POOL_EXTRA
+
+
+@pytest.fixture(scope="session")
+def tiny_bundle(tmp_path_factory, tiny_core, toy_pairs) -> Path:
+    """A bundle of the tiny CORE models over the toy pool (int8 ONNX, exact search)."""
+    from index_builder.build import build_bundle
+
+    out = tmp_path_factory.mktemp("bundles") / "tiny"
+    build_bundle(
+        out,
+        toy_pool(),
+        bi=str(tiny_core / "bi"),
+        cross=str(tiny_core / "cross"),
+        queries=[p.context for p in toy_pairs[:8]],
+        progress=False,
+    )
+    return out

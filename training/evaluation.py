@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from coreply.corpus import Pair
+from coreply.fusion import drop_echoes, fuse
 from coreply.models import BiEncoder, CrossEncoder
 from coreply.text import normalize
 from training.metrics import gold_rank, summarize
@@ -121,34 +122,6 @@ class DenseRetriever:
         queries = self.bi.embed_contexts(contexts).numpy().astype("float32")
         scores, ids = self.index.search(queries, min(k, self.index.ntotal))
         return ids, scores
-
-
-def drop_echoes(context: Sequence[str], ids: np.ndarray, scores: np.ndarray, pool_keys: Sequence[str]):
-    """Remove pool entries whose normalised text equals an utterance of the context."""
-    said = {normalize(u) for u in context}
-    keep = [j for j, i in enumerate(ids) if i >= 0 and pool_keys[i] not in said]
-    return ids[keep], scores[keep]
-
-
-def zscore(x: np.ndarray) -> np.ndarray:
-    return (x - x.mean()) / (x.std() + 1e-6)
-
-
-FUSIONS = ("retrieval", "rerank", "sum", "zscore")
-
-
-def fuse(mode: str, retrieval: np.ndarray, rerank: np.ndarray, weight: float = 0.5) -> np.ndarray:
-    """Final scores of one query's candidates. ``sum`` is the precursor paper's Eq. 10; ``zscore`` is
-    ``weight * z(retrieval) + (1 - weight) * z(rerank)`` with per-query standardisation."""
-    if mode == "retrieval":
-        return retrieval
-    if mode == "rerank":
-        return rerank
-    if mode == "sum":
-        return retrieval + rerank
-    if mode == "zscore":
-        return weight * zscore(retrieval) + (1 - weight) * zscore(rerank)
-    raise ValueError(f"unknown fusion {mode!r}; expected one of {FUSIONS}")
 
 
 @dataclass

@@ -12,10 +12,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from coreply.checkpoint import load_checkpoint, read_meta
-from coreply.config import ZERO_SHOT, ModelConfig
+from coreply.checkpoint import load_bi, load_checkpoint, read_meta
+from coreply.config import ZERO_SHOT
 from coreply.corpus import Pair, build_pool
-from coreply.models import BiEncoder
 from coreply.text import normalize
 from training.evaluation import (
     BM25Retriever,
@@ -27,13 +26,6 @@ from training.evaluation import (
     retrieve_and_rerank,
 )
 from training.metrics import KS, paired_bootstrap, per_case, summarize
-
-
-def load_bi(spec: str, device: str) -> BiEncoder:
-    """A bi-encoder checkpoint, or ``zero-shot``: all-MiniLM-L6-v2 as published (mean pooling, cosine)."""
-    if spec == ZERO_SHOT:
-        return BiEncoder.from_pretrained(ModelConfig(share_towers=True, normalize=True)).to(device).eval()
-    return load_checkpoint(spec, device, expect="bi")  # type: ignore[return-value]
 
 
 @dataclass

@@ -1,0 +1,240 @@
+"""The serving bundle: everything the service needs, tied together by ``manifest.json``.
+
+Layout::
+
+    manifest.json     format, version, model hashes, index facts, build stats, sha256 of every file
+    bi/               bi-encoder checkpoint (context tower for queries, response tower for ``add``)
+    cross/            cross-encoder checkpoint (absent for a retrieval-only bundle)
+    onnx/             ONNX exports of both (fp32 or int8; absent when built with ``--onnx none``)
+    index.faiss       FAISS index over the response embeddings; row i is response id i
+    responses.jsonl   {"id": i, "text": ...} per line, in id order
+
+A bundle is written to a temporary directory and renamed into place, and is verified on load: every
+file's sha256, the index dimension and count, the response count and the model hashes must agree with
+the manifest, or :class:`BundleError` says which one does not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from coreply.checkpoint import CheckpointError, read_meta, replace_dir, sha256_file, write_json_atomic
+from coreply.text import normalize
+
+FORMAT = "coreply-bundle/1"
+MANIFEST = "manifest.json"
+INDEX = "index.faiss"
+RESPONSES = "responses.jsonl"
+
+
+class BundleError(ValueError):
+    """A bundle that is missing, malformed, corrupted or inconsistent with its manifest."""
+
+
+def hash_files(root: Path) -> dict[str, str]:
+    """sha256 of every file under ``root`` except the manifest, by relative posix path."""
+    return {
+        p.relative_to(root).as_posix(): sha256_file(p)
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != MANIFEST
+    }
+
+
+def content_hash(files: dict[str, str]) -> str:
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+
+def write_responses(path: Path, texts: Sequence[str]) -> None:
+    with open(path, "w", encoding="utf-8") as fh:
+        for i, text in enumerate(texts):
+            fh.write(json.dumps({"id": i, "text": text}, ensure_ascii=False) + "\n")
+
+
+def read_responses(path: Path) -> list[str]:
+    texts = []
+    with open(path, encoding="utf-8") as fh:
+        for number, line in enumerate(fh, 1):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise BundleError(f"{path}:{number}: invalid JSON ({exc.msg})") from exc
+            if not isinstance(record, dict) or record.get("id") != number - 1:
+                raise BundleError(f"{path}:{number}: expected id {number - 1}")
+            if not isinstance(record.get("text"), str):
+                raise BundleError(f"{path}:{number}: field 'text' must be a string")
+            texts.append(record["text"])
+    return texts
+
+
+def finish(tmp: Path, final: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Hash the files of a bundle being written in ``tmp``, write its manifest, move it to ``final``."""
+    files = hash_files(tmp)
+    manifest = {**manifest, "format": FORMAT, "files": files, "bundle_version": content_hash(files)[:16]}
+    write_json_atomic(tmp / MANIFEST, manifest)
+    replace_dir(tmp, final)
+    return manifest
+
+
+@contextmanager
+def staging(final: Path) -> Iterator[Path]:
+    """A temporary directory beside ``final``; removed if the block fails."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex}.tmp")
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def link_or_copy(src: Path, dst: Path) -> None:
+    """Reuse an unchanged file in a new bundle version: a hard link when possible (files are never
+    modified in place, so sharing is safe), else a copy."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def read_manifest(root: Path, verify: bool = True) -> dict[str, Any]:
+    """Read ``manifest.json`` and, by default, check every file's sha256 against it."""
+    path = root / MANIFEST
+    if not path.is_file():
+        raise BundleError(f"{root}: not a coreply bundle (no {MANIFEST}); build one with `coreply index`")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise BundleError(f"{path}: invalid JSON ({exc})") from exc
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise BundleError(f"{path}: unsupported format, expected {FORMAT!r}")
+    if verify:
+        recorded, actual = manifest.get("files", {}), hash_files(root)
+        for name in sorted(set(recorded) | set(actual)):
+            if recorded.get(name) != actual.get(name):
+                what = (
+                    "missing" if name not in actual else "unexpected" if name not in recorded else "corrupted"
+                )
+                raise BundleError(f"{root / name}: {what} (sha256 does not match {MANIFEST})")
+        if manifest.get("bundle_version") != content_hash(recorded)[:16]:
+            raise BundleError(f"{path}: bundle_version does not match the file hashes")
+    return manifest
+
+
+@dataclass
+class Bundle:
+    """A loaded, verified bundle: manifest, FAISS index and response texts (row i = id i)."""
+
+    root: Path
+    manifest: dict[str, Any]
+    index: Any  # faiss.Index
+    texts: list[str]
+    keys: list[str]  # normalised texts, for echo / exclude filtering
+
+    @property
+    def version(self) -> str:
+        return self.manifest["bundle_version"]
+
+    @property
+    def has_reranker(self) -> bool:
+        return self.manifest["models"].get("cross") is not None
+
+    def model_dir(self, kind: str) -> Path:
+        return self.root / kind
+
+
+def apply_search_params(index, params: str) -> None:
+    """``params`` like ``nprobe=16`` (IVF) or ``efSearch=128`` (HNSW); empty = FAISS defaults."""
+    if not params:
+        return
+    import faiss
+
+    try:
+        faiss.ParameterSpace().set_index_parameters(index, params)
+    except RuntimeError as exc:
+        detail = "".join([line for line in str(exc).splitlines() if line.strip()][-1:])
+        raise ValueError(f"FAISS search parameters {params!r} do not fit this index: {detail}") from exc
+
+
+def _check(condition: bool, root: Path, message: str) -> None:
+    if not condition:
+        raise BundleError(f"{root}: {message}")
+
+
+def load_bundle(path: str | Path, verify: bool = True) -> Bundle:
+    """Load and verify a bundle (see the module docstring for what is checked)."""
+    import faiss
+
+    root = Path(path)
+    manifest = read_manifest(root, verify)
+    info = manifest["index"]
+    for kind, model in manifest["models"].items():
+        if model is None:
+            continue
+        try:
+            meta = read_meta(root / kind, verify=False)  # files already checked against the manifest
+        except CheckpointError as exc:
+            raise BundleError(str(exc)) from exc
+        _check(
+            meta["content_hash"] == model["content_hash"],
+            root,
+            f"{kind}/ model hash {meta['content_hash'][:12]} is not the one the index was built with "
+            f"({model['content_hash'][:12]})",
+        )
+    index = faiss.read_index(str(root / INDEX))
+    texts = read_responses(root / RESPONSES)
+    _check(index.d == info["dim"], root, f"index dimension {index.d} != manifest dim {info['dim']}")
+    _check(
+        index.ntotal == info["count"],
+        root,
+        f"index holds {index.ntotal} vectors, manifest says {info['count']}",
+    )
+    _check(
+        len(texts) == info["count"],
+        root,
+        f"{RESPONSES} holds {len(texts)} responses, manifest says {info['count']}",
+    )
+    apply_search_params(index, info.get("search_params", ""))
+    return Bundle(root, manifest, index, texts, [normalize(t) for t in texts])
+
+
+def make_backend(bundle: Bundle, backend: str = "auto", threads: int = 1, device: str = "cpu"):
+    """The bundle's models behind :class:`coreply.inference.Backend`: ``onnx`` (needs ``onnx/`` in the
+    bundle), ``torch``, or ``auto`` (ONNX when exported, else PyTorch)."""
+    import torch
+
+    from coreply.checkpoint import load_checkpoint, load_dialogue_tokenizer
+    from coreply.inference import OnnxBackend, TorchBackend
+
+    if backend not in ("auto", "onnx", "torch"):
+        raise ValueError(f"backend must be auto, onnx or torch, got {backend!r}")
+    has_onnx = bundle.manifest.get("onnx") is not None
+    if backend == "onnx" and not has_onnx:
+        raise BundleError(f"{bundle.root}: has no ONNX export (built with --onnx none); use --backend torch")
+    torch.set_num_threads(threads)
+    if backend == "torch" or not has_onnx:
+        bi = load_checkpoint(bundle.model_dir("bi"), device, expect="bi")
+        cross = (
+            load_checkpoint(bundle.model_dir("cross"), device, expect="cross")
+            if bundle.has_reranker
+            else None
+        )
+        return TorchBackend(bi, cross)  # type: ignore[arg-type]
+    return OnnxBackend(
+        bundle.root / "onnx",
+        load_dialogue_tokenizer(bundle.model_dir("bi")),
+        load_dialogue_tokenizer(bundle.model_dir("cross")) if bundle.has_reranker else None,
+        bundle.manifest["index"]["dim"],
+        threads=threads,
+        cuda=device.startswith("cuda"),
+    )

@@ -1,0 +1,203 @@
+"""Inference backends behind one interface, so the index builder and the service run the same code on
+PyTorch (the reference) and on ONNX Runtime (graphs exported from the same models, fp32 or dynamic int8).
+
+Every backend returns float32 numpy arrays: context / response embeddings [N, D] and pair scores [N].
+Inputs go through the one :class:`~coreply.tokenization.DialogueTokenizer`, in length-sorted chunks.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+from coreply.models import BiEncoder, CrossEncoder, batched
+from coreply.tokenization import Batch, DialogueTokenizer
+
+ONNX_FILES = {"context": "context.onnx", "response": "response.onnx", "cross": "cross.onnx"}
+PRECISIONS = ("fp32", "int8")
+
+
+class Backend(Protocol):
+    name: str
+    dim: int
+    has_reranker: bool
+
+    def encode_contexts(self, contexts: Sequence[Sequence[str]]) -> np.ndarray: ...
+
+    def encode_responses(self, responses: Sequence[str]) -> np.ndarray: ...
+
+    def score_pairs(self, contexts: Sequence[Sequence[str]], responses: Sequence[str]) -> np.ndarray: ...
+
+
+class TorchBackend:
+    """The models themselves (CPU fp32, or CUDA under bf16 autocast via the callers' device)."""
+
+    def __init__(self, bi: BiEncoder, cross: CrossEncoder | None, batch_size: int = 64) -> None:
+        self.name = "torch"
+        self.bi, self.cross, self.batch_size = bi, cross, batch_size
+        self.dim = bi.dim
+        self.has_reranker = cross is not None
+
+    def encode_contexts(self, contexts: Sequence[Sequence[str]]) -> np.ndarray:
+        return self.bi.embed_contexts(contexts, self.batch_size).numpy()
+
+    def encode_responses(self, responses: Sequence[str]) -> np.ndarray:
+        return self.bi.embed_responses(responses, 2 * self.batch_size).numpy()
+
+    def score_pairs(self, contexts: Sequence[Sequence[str]], responses: Sequence[str]) -> np.ndarray:
+        if self.cross is None:
+            raise RuntimeError("this bundle has no reranker")
+        return self.cross.score_pairs(contexts, responses, self.batch_size).numpy()
+
+
+# ------------------------------------------------------------------------------------------- export
+
+
+class _ContextGraph(nn.Module):
+    def __init__(self, bi: BiEncoder) -> None:
+        super().__init__()
+        self.bi = bi
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """[N, L] x2 -> [N, D]"""
+        return self.bi.encode_context(Batch(input_ids, attention_mask, torch.zeros_like(input_ids)))
+
+
+class _ResponseGraph(_ContextGraph):
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """[N, L] x2 -> [N, D]"""
+        return self.bi.encode_response(Batch(input_ids, attention_mask, torch.zeros_like(input_ids)))
+
+
+class _CrossGraph(nn.Module):
+    def __init__(self, cross: CrossEncoder) -> None:
+        super().__init__()
+        self.cross = cross
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """[N, L] x3 -> [N]"""
+        return self.cross(Batch(input_ids, attention_mask, token_type_ids))
+
+
+def _export(module: nn.Module, example: Batch, inputs: list[str], path: Path) -> None:
+    args = tuple(getattr(example, name) for name in inputs)
+    axes = {name: {0: "batch", 1: "length"} for name in inputs} | {"output": {0: "batch"}}
+    with warnings.catch_warnings(), torch.inference_mode(False), torch.no_grad():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            module.eval(),
+            args,
+            str(path),
+            input_names=inputs,
+            output_names=["output"],
+            dynamic_axes=axes,
+            opset_version=17,
+            dynamo=False,
+        )
+
+
+def export_onnx(bi: BiEncoder, cross: CrossEncoder | None, out_dir: Path, precision: str = "int8") -> None:
+    """Write ``context.onnx``, ``response.onnx`` and (with a reranker) ``cross.onnx`` into ``out_dir``;
+    ``int8`` quantises the weights dynamically (activations stay float), for CPU hosts."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"onnx precision must be one of {PRECISIONS}, got {precision!r}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    bi, cross = bi.cpu().eval(), cross.cpu().eval() if cross is not None else None
+    sample_ctx = [["an example context", "with two turns"]] * 2
+    sample_resp = ["an example response", "another"]
+    jobs: list[tuple[str, nn.Module, Batch, list[str]]] = [
+        ("context", _ContextGraph(bi), bi.tokenizer.contexts(sample_ctx), ["input_ids", "attention_mask"]),
+        (
+            "response",
+            _ResponseGraph(bi),
+            bi.tokenizer.responses(sample_resp),
+            ["input_ids", "attention_mask"],
+        ),
+    ]
+    if cross is not None:
+        pairs = cross.tokenizer.pairs(sample_ctx, sample_resp)
+        jobs.append(("cross", _CrossGraph(cross), pairs, ["input_ids", "attention_mask", "token_type_ids"]))
+    for name, module, example, inputs in jobs:
+        path = out_dir / ONNX_FILES[name]
+        if precision == "fp32":
+            _export(module, example, inputs, path)
+            continue
+        from onnxruntime.quantization import QuantType, quantize_dynamic
+
+        fp32 = out_dir / f".{name}.fp32.onnx"
+        _export(module, example, inputs, fp32)
+        logging.getLogger().setLevel(max(logging.getLogger().level, logging.ERROR))  # ORT's preprocess hint
+        quantize_dynamic(str(fp32), str(path), weight_type=QuantType.QInt8)
+        fp32.unlink()
+
+
+# ------------------------------------------------------------------------------------------ runtime
+
+
+def _session(path: Path, threads: int, cuda: bool):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.log_severity_level = 3
+    providers = ["CPUExecutionProvider"]
+    if cuda and "CUDAExecutionProvider" in ort.get_available_providers():
+        providers.insert(0, "CUDAExecutionProvider")
+    return ort.InferenceSession(str(path), options, providers=providers)
+
+
+class OnnxBackend:
+    """ONNX Runtime sessions over graphs written by :func:`export_onnx`; tokenisation is the models' own."""
+
+    def __init__(
+        self,
+        onnx_dir: Path,
+        bi_tokenizer: DialogueTokenizer,
+        cross_tokenizer: DialogueTokenizer | None,
+        dim: int,
+        threads: int = 1,
+        batch_size: int = 64,
+        cuda: bool = False,
+    ) -> None:
+        self.name = "onnx"
+        self.dim = dim
+        self.batch_size = batch_size
+        self.bi_tokenizer, self.cross_tokenizer = bi_tokenizer, cross_tokenizer
+        self.context = _session(onnx_dir / ONNX_FILES["context"], threads, cuda)
+        self.response = _session(onnx_dir / ONNX_FILES["response"], threads, cuda)
+        cross_path = onnx_dir / ONNX_FILES["cross"]
+        self.cross = _session(cross_path, threads, cuda) if cross_tokenizer and cross_path.is_file() else None
+        self.has_reranker = self.cross is not None
+
+    @staticmethod
+    def _run(session, batch: Batch) -> torch.Tensor:
+        feeds = {i.name: getattr(batch, i.name).numpy() for i in session.get_inputs()}
+        return torch.from_numpy(session.run(None, feeds)[0])
+
+    def encode_contexts(self, contexts: Sequence[Sequence[str]]) -> np.ndarray:
+        tok = self.bi_tokenizer
+        return batched(contexts, self.batch_size, lambda c: self._run(self.context, tok.contexts(c))).numpy()
+
+    def encode_responses(self, responses: Sequence[str]) -> np.ndarray:
+        tok = self.bi_tokenizer
+        run = lambda chunk: self._run(self.response, tok.responses(chunk))  # noqa: E731
+        return batched(responses, 2 * self.batch_size, run).numpy()
+
+    def score_pairs(self, contexts: Sequence[Sequence[str]], responses: Sequence[str]) -> np.ndarray:
+        if self.cross is None or self.cross_tokenizer is None:
+            raise RuntimeError("this bundle has no reranker")
+        tok = self.cross_tokenizer
+        items = list(zip(contexts, responses, strict=True))
+        run = lambda chunk: self._run(self.cross, tok.pairs([c for c, _ in chunk], [r for _, r in chunk]))  # noqa: E731
+        return batched(items, self.batch_size, run).numpy()

@@ -1,0 +1,204 @@
+"""Build a serving bundle (see :mod:`coreply.bundle`) and add responses to one.
+
+Encoding uses the backend the service will use (ONNX when exported, on CPU), so query and pool
+embeddings come from the same graph; on CUDA it runs the PyTorch models under bf16 autocast."""
+
+from __future__ import annotations
+
+import datetime as dt
+import platform
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from coreply.bundle import (
+    INDEX,
+    MANIFEST,
+    RESPONSES,
+    Bundle,
+    BundleError,
+    apply_search_params,
+    finish,
+    link_or_copy,
+    load_bundle,
+    make_backend,
+    read_manifest,
+    staging,
+    write_responses,
+)
+from coreply.checkpoint import load_bi, load_checkpoint, read_meta, save_checkpoint
+from coreply.config import ZERO_SHOT
+from coreply.corpus import build_pool
+from coreply.device import autocast, resolve_device
+from coreply.inference import Backend, export_onnx
+from coreply.text import normalize
+from index_builder.faiss_index import EXACT, make_index, recall_vs_exact
+
+ONNX_CHOICES = ("int8", "fp32", "none")
+
+
+def encode_pool(
+    backend: Backend, texts: Sequence[str], chunk: int = 1024, progress: bool = True
+) -> np.ndarray:
+    """texts -> [N, D] float32, in chunks of similar length (padding is most of the cost on short
+    responses), with a progress bar showing responses/s and the ETA."""
+    order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+    out = np.empty((len(texts), backend.dim), dtype="float32")
+    with tqdm(
+        total=len(texts), unit="resp", desc="encoding pool", disable=not progress, smoothing=0.1
+    ) as bar:
+        for start in range(0, len(order), chunk):
+            rows = order[start : start + chunk]
+            out[rows] = backend.encode_responses([texts[i] for i in rows])
+            bar.update(len(rows))
+    return out
+
+
+def _place_model(spec: str, kind: str, dest: Path, device: str):
+    """Put the model named by ``spec`` into ``dest`` (files copied, so its content hash is unchanged)
+    and return it loaded."""
+    if kind == "bi" and spec == ZERO_SHOT:
+        model = load_bi(ZERO_SHOT, device)
+        save_checkpoint(model, dest, extra={"source": "all-MiniLM-L6-v2 as published (zero-shot, untrained)"})
+        return model
+    src = Path(spec)
+    read_meta(src)  # verified before copying
+    for path in sorted(src.rglob("*")):
+        if path.is_file():
+            link_or_copy(path, dest / path.relative_to(src))
+    return load_checkpoint(dest, device, expect=kind)
+
+
+def _model_entry(path: Path, spec: str) -> dict[str, Any]:
+    meta = read_meta(path, verify=False)
+    return {
+        "source": spec,
+        "content_hash": meta["content_hash"],
+        "model_config": meta["model_config"],
+        "training": meta.get("extra", {}),
+    }
+
+
+def build_bundle(
+    out: str | Path,
+    texts: Sequence[str],
+    bi: str = ZERO_SHOT,
+    cross: str | None = None,
+    factory: str = EXACT,
+    search_params: str = "",
+    onnx: str = "int8",
+    queries: Sequence[Sequence[str]] = (),
+    device: str = "auto",
+    pool_source: str = "",
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Encode ``texts`` (normalised duplicates dropped, first spelling kept, ids in order) and write a
+    bundle to ``out`` atomically. ``queries`` (contexts) measure the index's recall against exact search."""
+    if onnx not in ONNX_CHOICES:
+        raise ValueError(f"--onnx must be one of {ONNX_CHOICES}, got {onnx!r}")
+    started = time.perf_counter()
+    torch_device = resolve_device(device)
+    pool = build_pool(texts)
+    if not pool:
+        raise ValueError("the response pool is empty")
+    final = Path(out)
+    with staging(final) as tmp:
+        bi_model = _place_model(bi, "bi", tmp / "bi", str(torch_device))
+        cross_model = _place_model(cross, "cross", tmp / "cross", str(torch_device)) if cross else None
+        if onnx != "none":
+            export_onnx(bi_model, cross_model, tmp / "onnx", onnx)
+        manifest: dict[str, Any] = {
+            "models": {
+                "bi": _model_entry(tmp / "bi", bi),
+                "cross": _model_entry(tmp / "cross", cross) if cross else None,
+            },
+            "onnx": None if onnx == "none" else onnx,
+        }
+        manifest["index"] = {"dim": bi_model.dim}
+        use_onnx = onnx != "none" and torch_device.type == "cpu"
+        bundle = Bundle(tmp, manifest, None, list(pool), [])
+        backend = make_backend(bundle, "onnx" if use_onnx else "torch", _threads(), str(torch_device))
+        encode_start = time.perf_counter()
+        with autocast(torch_device):
+            vectors = encode_pool(backend, pool, progress=progress)
+            query_vectors = backend.encode_contexts(list(queries)) if queries else None
+        encode_s = time.perf_counter() - encode_start
+        index = make_index(vectors, factory)
+        apply_search_params(index, search_params)
+        recall = recall_vs_exact(index, vectors, query_vectors) if query_vectors is not None else {}
+        import faiss
+
+        faiss.write_index(index, str(tmp / INDEX))
+        write_responses(tmp / RESPONSES, pool)
+        manifest["encoder"] = f"onnx-{onnx}" if use_onnx else f"torch-{torch_device.type}"
+        manifest["index"] = {
+            "factory": factory,
+            "metric": "inner_product",
+            "dim": int(index.d),
+            "count": int(index.ntotal),
+            "search_params": search_params,
+            "recall_vs_exact": recall,
+            "recall_queries": len(queries),
+        }
+        manifest["build"] = {
+            "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "pool_source": pool_source,
+            "input_texts": len(texts),
+            "duplicates_dropped": len(texts) - len(pool),
+            "encode_seconds": round(encode_s, 1),
+            "responses_per_second": round(len(pool) / max(encode_s, 1e-9), 1),
+            "total_seconds": round(time.perf_counter() - started, 1),
+            "host": f"{platform.machine()} {platform.system()}, {torch_device}",
+        }
+        manifest["additions"] = []
+        return finish(tmp, final, manifest)
+
+
+def add_responses(path: str | Path, texts: Sequence[str], progress: bool = True) -> dict[str, Any]:
+    """Append new responses to a bundle without re-encoding the others. Texts already in the pool (by
+    normalised form) are skipped; new ids continue after the last one. The bundle is rewritten atomically."""
+    root = Path(path)
+    bundle = load_bundle(root)
+    known = set(bundle.keys)
+    new = [t for t in build_pool(texts) if normalize(t) not in known]
+    if not new:
+        return bundle.manifest
+    encoder = bundle.manifest["encoder"]
+    kind = "onnx" if encoder.startswith("onnx") else "torch"
+    device = "cuda" if encoder == "torch-cuda" else "cpu"
+    backend = make_backend(bundle, kind, _threads(), str(resolve_device(device)))
+    vectors = encode_pool(backend, new, progress=progress)
+    bundle.index.add(vectors)
+    manifest = {k: v for k, v in bundle.manifest.items() if k not in ("files", "bundle_version")}
+    manifest["index"] = {**manifest["index"], "count": int(bundle.index.ntotal)}
+    manifest["additions"] = [
+        *manifest.get("additions", []),
+        {"added": len(new), "at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")},
+    ]
+    import faiss
+
+    with staging(root) as tmp:
+        for name in bundle.manifest["files"]:
+            if name not in (INDEX, RESPONSES, MANIFEST):
+                link_or_copy(root / name, tmp / name)
+        faiss.write_index(bundle.index, str(tmp / INDEX))
+        write_responses(tmp / RESPONSES, [*bundle.texts, *new])
+        return finish(tmp, root, manifest)
+
+
+def verify_bundle(path: str | Path) -> dict[str, Any]:
+    """Load with full verification; returns the manifest."""
+    return load_bundle(path).manifest
+
+
+def _threads() -> int:
+    import os
+
+    return max(1, min(2, os.cpu_count() or 1))
+
+
+__all__ = ["BundleError", "add_responses", "build_bundle", "encode_pool", "read_manifest", "verify_bundle"]

@@ -1,0 +1,222 @@
+"""The FastAPI application: ``POST /respond``, ``GET /healthz``, ``GET /readyz``, ``GET /metrics``.
+
+The bundle is loaded in the lifespan (never at import), one warm-up request runs before ``/readyz``
+turns ready, and no input can produce a 500: validation errors are 422 naming the field, bodies over
+the limit 413, a full queue 503."""
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from service.batching import Overloaded
+from service.engine import Engine, Query, load_engine
+from service.metrics import Metrics
+from service.schemas import ErrorResponse, RespondResponse, respond_request_model
+from service.settings import Settings
+
+ROUTES = ("/respond", "/healthz", "/readyz", "/metrics", "/docs", "/openapi.json")
+
+
+def _error(status: int, message: str, detail: list[dict] | None = None, **headers: str) -> JSONResponse:
+    body = {"error": message} if detail is None else {"error": message, "detail": detail}
+    return JSONResponse(body, status_code=status, headers=headers or None)
+
+
+class Guard:
+    """Outermost ASGI layer: refuses bodies over the limit (413) before the app reads them, counts
+    requests by route and status class, times them and tracks the in-flight gauge."""
+
+    def __init__(self, app: Callable, settings: Settings, metrics: Metrics) -> None:
+        self.app, self.settings, self.metrics = app, settings, metrics
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route = scope["path"] if scope["path"] in ROUTES else "other"
+        status = {"code": 500}
+
+        async def send_recording(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        started = time.perf_counter()
+        self.metrics.in_flight.inc()
+        try:
+            if scope["method"] not in ("POST", "PUT", "PATCH"):
+                await self.app(scope, receive, send_recording)
+            elif (body := await self._read_body(receive)) is None:
+                limit = self.settings.max_body_bytes
+                await _error(413, f"request body over the limit of {limit} bytes")(
+                    scope, receive, send_recording
+                )
+            else:
+                await self.app(scope, _replay(body, receive), send_recording)
+        finally:
+            self.metrics.in_flight.dec()
+            self.metrics.requests.labels(route, f"{status['code'] // 100}xx").inc()
+            self.metrics.latency.labels(route).observe(time.perf_counter() - started)
+
+    async def _read_body(self, receive: Callable) -> bytes | None:
+        """The whole body, or None as soon as it exceeds the limit."""
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                break
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.settings.max_body_bytes:
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Callable) -> Callable:
+    """A ``receive`` that yields the already-read body once, then the server's own messages."""
+    sent = False
+
+    async def replay() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+def _field(loc: tuple | list) -> str:
+    parts = [str(p) for p in loc if p != "body"]
+    return ".".join(parts) or "body"
+
+
+def create_app(settings: Settings | None = None, engine_factory: Callable[..., Engine] = load_engine) -> Any:
+    """The ASGI app (FastAPI wrapped in :class:`Guard`). The bundle loads when the server starts."""
+    settings = settings or Settings()
+    metrics = Metrics()
+    request_model = respond_request_model(settings)
+    state: dict[str, Any] = {"engine": None, "ready": False}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine = await asyncio.get_running_loop().run_in_executor(None, engine_factory, settings, metrics)
+        await engine.start()
+        state["engine"] = engine
+        metrics.bundle.labels(engine.bundle.version).set(1)
+        await engine.respond(_query(request_model(context=["hello! how are you?"]), engine))  # warm-up
+        state["ready"] = True
+        metrics.ready.set(1)
+        try:
+            yield
+        finally:
+            state["ready"] = False
+            metrics.ready.set(0)
+            await engine.stop()
+
+    app = FastAPI(
+        title="coreply",
+        summary="Response retrieval for chatbots: recall -> rerank -> fusion",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        detail = [
+            {
+                "field": "body" if e.get("type") == "json_invalid" else _field(e.get("loc", ())),
+                "message": e.get("msg", ""),
+                "type": e.get("type", ""),
+            }
+            for e in exc.errors()
+        ]
+        first = detail[0] if detail else {"field": "body", "message": "invalid request"}
+        return _error(422, f"{first['field']}: {first['message']}", detail)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:  # a bug: say so, keep serving
+        return _error(500, f"internal error ({type(exc).__name__}); this is a bug, please report it")
+
+    @app.post(
+        "/respond",
+        response_model=RespondResponse,
+        responses={
+            413: {"model": ErrorResponse},
+            422: {"model": ErrorResponse},
+            503: {"model": ErrorResponse},
+        },
+    )
+    async def respond(body: request_model) -> Any:  # type: ignore[valid-type]
+        engine: Engine | None = state["engine"]
+        if engine is None or not state["ready"]:
+            return _error(503, "not ready: the bundle is loading", **{"Retry-After": "1"})
+        if body.fusion in ("rerank", "sum", "zscore") and not engine.backend.has_reranker:
+            return _error(422, f"fusion: {body.fusion!r} needs a reranker and this bundle has none")
+        try:
+            return await engine.respond(_query(body, engine))
+        except Overloaded as exc:
+            return _error(503, f"overloaded: {exc}", **{"Retry-After": "1"})
+
+    @app.get("/healthz")
+    async def healthz() -> dict:
+        """Liveness: the process answers."""
+        return {"status": "ok"}
+
+    @app.get("/readyz", responses={503: {"model": ErrorResponse}})
+    async def readyz() -> Any:
+        """Readiness: the bundle is loaded, verified and warmed up."""
+        engine = state["engine"]
+        if not state["ready"] or engine is None:
+            return _error(503, "not ready")
+        return {
+            "status": "ready",
+            "bundle_version": engine.bundle.version,
+            "responses": len(engine.bundle.texts),
+            "backend": engine.backend.name,
+            "reranker": engine.backend.has_reranker,
+        }
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    app.state.coreply = state
+    app.state.metrics = metrics
+    return Guard(app, settings, metrics)
+
+
+def _query(body: Any, engine: Engine) -> Query:
+    settings = engine.settings
+    n = body.n_candidates or max(settings.default_candidates, body.top_k)
+    if body.top_k > n:
+        raise RequestValidationError(
+            [
+                {
+                    "loc": ("body", "top_k"),
+                    "msg": f"top_k ({body.top_k}) exceeds n_candidates ({n})",
+                    "type": "value_error",
+                }
+            ]
+        )
+    return Query(
+        context=list(body.context),
+        top_k=body.top_k,
+        n_candidates=n,
+        fusion=body.fusion or engine.default_fusion,
+        exclude_ids=frozenset(x for x in body.exclude if isinstance(x, int)),
+        exclude_texts=tuple(x for x in body.exclude if isinstance(x, str)),
+    )
+
+
+__all__ = ["create_app"]

@@ -1,0 +1,110 @@
+"""Micro-batching: concurrent requests' inference work is gathered into one batch (bounded wait,
+bounded queue) and run on the single inference thread, so the event loop never blocks and the
+model sees larger, length-sorted batches (the technique of TEI and Triton's dynamic batcher)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any
+
+RunBatch = Callable[[Sequence[Any]], tuple[list[Any], dict[str, float]]]
+"""items -> (one result per item, seconds spent per stage for the whole batch)."""
+
+
+class Overloaded(Exception):
+    """The stage's queue is full: the caller should answer 503 and let the client retry."""
+
+
+@dataclass
+class Done:
+    """One item's result plus where its time went."""
+
+    result: Any
+    queue_s: float
+    stages: dict[str, float]
+    batch_items: int
+
+
+@dataclass
+class _Job:
+    item: Any
+    size: int
+    enqueued: float
+    future: asyncio.Future = field(repr=False)
+
+
+class MicroBatcher:
+    """Gathers submitted items until ``max_size`` (summed item sizes) or ``max_wait_s`` after the first,
+    then runs them together on ``executor``. ``max_queue`` jobs may wait; more raise :class:`Overloaded`."""
+
+    def __init__(
+        self,
+        name: str,
+        run: RunBatch,
+        executor: Executor,
+        max_size: int,
+        max_wait_s: float,
+        max_queue: int,
+    ) -> None:
+        self.name, self.run, self.executor = name, run, executor
+        self.max_size, self.max_wait_s = max_size, max_wait_s
+        self.queue: asyncio.Queue[_Job] = asyncio.Queue(max_queue)
+        self.worker: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self.worker = asyncio.get_running_loop().create_task(self._loop(), name=f"batcher-{self.name}")
+
+    async def stop(self) -> None:
+        if self.worker is not None:
+            self.worker.cancel()
+            await asyncio.gather(self.worker, return_exceptions=True)
+            self.worker = None
+
+    async def submit(self, item: Any, size: int = 1) -> Done:
+        future = asyncio.get_running_loop().create_future()
+        try:
+            self.queue.put_nowait(_Job(item, size, time.perf_counter(), future))
+        except asyncio.QueueFull:
+            raise Overloaded(f"{self.name} queue is full ({self.queue.maxsize} waiting)") from None
+        return await future
+
+    async def _gather(self) -> list[_Job]:
+        jobs = [await self.queue.get()]
+        size = jobs[0].size
+        deadline = time.perf_counter() + self.max_wait_s
+        while size < self.max_size:
+            if self.queue.empty():
+                remaining = deadline - time.perf_counter()
+                if remaining <= 0:
+                    break
+                try:
+                    job = await asyncio.wait_for(self.queue.get(), remaining)
+                except asyncio.TimeoutError:
+                    break
+            else:
+                job = self.queue.get_nowait()
+            jobs.append(job)
+            size += job.size
+        return [j for j in jobs if not j.future.done()]  # drop requests that went away
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            jobs = await self._gather()
+            if not jobs:
+                continue
+            started = time.perf_counter()
+            try:
+                results, stages = await loop.run_in_executor(self.executor, self.run, [j.item for j in jobs])
+            except Exception as exc:  # handed to every waiting request; the loop carries on
+                for job in jobs:
+                    if not job.future.done():
+                        job.future.set_exception(exc)
+                continue
+            for job, result in zip(jobs, results, strict=True):
+                if not job.future.done():
+                    job.future.set_result(Done(result, started - job.enqueued, stages, len(jobs)))

@@ -1,0 +1,92 @@
+"""Request and response bodies of the API. The request model is built from the settings so that the
+limits in force are the ones validated and the ones the OpenAPI schema at ``/docs`` shows."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, create_model, field_validator
+
+from service.settings import Settings
+
+Fusion = Literal["retrieval", "rerank", "sum", "zscore"]
+
+
+class RespondBase(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    @field_validator("context", check_fields=False)
+    @classmethod
+    def _no_blank_utterances(cls, context: list[str]) -> list[str]:
+        for i, utterance in enumerate(context):
+            if not utterance.strip():
+                raise ValueError(f"utterance {i} is blank")
+        return context
+
+
+def respond_request_model(settings: Settings) -> type[RespondBase]:
+    utterance = Annotated[StrictStr, Field(min_length=1, max_length=settings.max_utterance_chars)]
+    excluded = StrictInt | Annotated[StrictStr, Field(max_length=settings.max_utterance_chars)]
+    return create_model(
+        "RespondRequest",
+        __base__=RespondBase,
+        context=(
+            list[utterance],
+            Field(
+                min_length=1,
+                max_length=settings.max_turns,
+                description="the dialogue so far, oldest utterance first",
+                examples=[["hi! how was your weekend?", "great, i went hiking. you?"]],
+            ),
+        ),
+        top_k=(StrictInt, Field(1, ge=1, le=settings.max_top_k, description="responses to return")),
+        n_candidates=(
+            StrictInt | None,
+            Field(
+                None,
+                ge=1,
+                le=settings.max_candidates,
+                description=f"n_r: candidates recalled and reranked (default {settings.default_candidates}, "
+                "at least top_k)",
+            ),
+        ),
+        fusion=(
+            Fusion | None,
+            Field(
+                None,
+                description="final score: retrieval only, rerank only, their sum, or z-score fusion with the "
+                "bundle's calibrated weight; default zscore with a reranker, else retrieval",
+            ),
+        ),
+        exclude=(
+            list[excluded],
+            Field(
+                default_factory=list,
+                max_length=settings.max_exclude,
+                description="response ids or texts not to return (e.g. already said in this conversation)",
+            ),
+        ),
+    )
+
+
+class Candidate(BaseModel):
+    id: int
+    text: str
+    score: float
+    retrieval_score: float
+    rerank_score: float | None = None
+
+
+class RespondResponse(BaseModel):
+    responses: list[Candidate]
+    fusion: Fusion
+    n_candidates: int
+    bundle_version: str
+    timings_ms: dict[str, float] = Field(
+        description="total, queue_wait, encode, search, rerank (milliseconds; batch stages are shared)"
+    )
+
+
+class ErrorResponse(BaseModel):
+    error: str
+    detail: list[dict] | None = None

@@ -1,0 +1,48 @@
+"""Service settings: environment variables ``COREPLY_*`` (or ``coreply serve`` flags, which win)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_BUNDLE = Path("artifacts/default-bundle")
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="COREPLY_", extra="ignore")
+
+    bundle: Path = Field(DEFAULT_BUNDLE, description="bundle directory (`coreply index build`)")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    backend: Literal["auto", "onnx", "torch"] = "auto"
+    device: str = "cpu"
+    threads: int = Field(
+        0, ge=0, le=256, description="intra-op threads; 0 = measure 1 vs all cores, keep the faster"
+    )
+
+    # request limits (422 beyond them; 413 for the body)
+    max_body_bytes: int = Field(64 * 1024, ge=1024)
+    max_turns: int = Field(50, ge=1)
+    max_utterance_chars: int = Field(2000, ge=1)
+    max_top_k: int = Field(50, ge=1)
+    max_candidates: int = Field(100, ge=1)
+    default_candidates: int = Field(10, ge=1)
+    max_exclude: int = Field(200, ge=0)
+
+    # micro-batching of inference work across concurrent requests
+    batch_max_pairs: int = Field(128, ge=1, description="most rerank pairs in one batch")
+    batch_max_contexts: int = Field(32, ge=1, description="most contexts encoded in one batch")
+    batch_wait_ms: float = Field(
+        0.0, ge=0, le=100, description="longest wait for more work (0: batch what queued up meanwhile)"
+    )
+    queue_max: int = Field(256, ge=1, description="requests waiting per stage before 503")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Settings:
+        if self.default_candidates > self.max_candidates:
+            n, most = self.default_candidates, self.max_candidates
+            raise ValueError(f"default_candidates ({n}) exceeds max_candidates ({most})")
+        return self

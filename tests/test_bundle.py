@@ -1,0 +1,210 @@
+"""Bundle format, index builder and ONNX parity."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from conftest import toy_pool
+from tiny import WORDS
+
+from coreply.bundle import MANIFEST, BundleError, hash_files, load_bundle, make_backend
+from coreply.checkpoint import write_json_atomic
+from coreply.text import normalize
+from index_builder.build import add_responses, build_bundle
+
+
+def test_bundle_round_trip(tiny_bundle):
+    bundle = load_bundle(tiny_bundle)
+    manifest = bundle.manifest
+    assert bundle.texts == toy_pool()  # ids are positions in first-seen order
+    assert manifest["index"]["count"] == len(toy_pool()) == bundle.index.ntotal
+    assert manifest["index"]["dim"] == bundle.index.d == 32
+    assert manifest["index"]["recall_vs_exact"]["recall@1"] == 1.0  # exact search against itself
+    assert manifest["models"]["bi"]["training"]["train_config"]["mode"] == "core"
+    assert manifest["encoder"] == "onnx-int8"
+    assert set(manifest["files"]) == set(hash_files(tiny_bundle))
+
+
+def test_duplicates_are_dropped_and_ids_stay_in_order(tmp_path, tiny_core):
+    texts = ["Hello there", "hello   THERE", "second", "", "third"]
+    build_bundle(tmp_path / "b", texts, bi=str(tiny_core / "bi"), onnx="none", progress=False)
+    bundle = load_bundle(tmp_path / "b")
+    assert bundle.texts == ["Hello there", "second", "third"]
+    assert bundle.manifest["build"]["duplicates_dropped"] == 2
+    assert not bundle.has_reranker and bundle.manifest["models"]["cross"] is None
+
+
+@pytest.fixture
+def copy(tmp_path, tiny_bundle):
+    dest = tmp_path / "copy"
+    shutil.copytree(tiny_bundle, dest)
+    return dest
+
+
+def test_corrupted_file_is_refused(copy):
+    data = bytearray((copy / "index.faiss").read_bytes())
+    data[-1] ^= 0xFF
+    (copy / "index.faiss").write_bytes(bytes(data))
+    with pytest.raises(BundleError, match=r"index\.faiss: corrupted"):
+        load_bundle(copy)
+
+
+def test_missing_and_unexpected_files_are_refused(copy):
+    (copy / "stray.txt").write_text("x")
+    with pytest.raises(BundleError, match=r"stray\.txt: unexpected"):
+        load_bundle(copy)
+    (copy / "stray.txt").unlink()
+    (copy / "onnx" / "cross.onnx").unlink()
+    with pytest.raises(BundleError, match=r"cross\.onnx: missing"):
+        load_bundle(copy)
+
+
+def test_manifest_disagreeing_with_contents_is_refused(copy):
+    manifest = json.loads((copy / MANIFEST).read_text())
+    manifest["index"]["count"] += 1
+    write_json_atomic(copy / MANIFEST, manifest)
+    with pytest.raises(BundleError, match="index holds 13 vectors, manifest says 14"):
+        load_bundle(copy)
+    (copy / MANIFEST).write_text("{not json")
+    with pytest.raises(BundleError, match="invalid JSON"):
+        load_bundle(copy)
+    (copy / MANIFEST).unlink()
+    with pytest.raises(BundleError, match="not a coreply bundle"):
+        load_bundle(copy)
+
+
+def test_swapped_model_is_refused(copy, tiny_core):
+    """A bi-encoder other than the one that encoded the index, even with consistent file hashes."""
+    shutil.rmtree(copy / "bi")
+    shutil.copytree(tiny_core / "cross", copy / "bi")  # a valid checkpoint, but not the indexing model
+    manifest = json.loads((copy / MANIFEST).read_text())
+    manifest["files"] = hash_files(copy)
+    from coreply.bundle import content_hash
+
+    manifest["bundle_version"] = content_hash(manifest["files"])[:16]
+    write_json_atomic(copy / MANIFEST, manifest)
+    with pytest.raises(BundleError, match="not the one the index was built with"):
+        load_bundle(copy)
+
+
+def test_failed_build_leaves_nothing_behind(tmp_path, tiny_core):
+    with pytest.raises(ValueError, match="factory string"):
+        build_bundle(tmp_path / "b", toy_pool(), bi=str(tiny_core / "bi"), factory="NoSuch99", progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def _synthetic_pool(n: int) -> list[str]:
+    rng = np.random.default_rng(0)
+    return [" ".join(rng.choice(WORDS, size=6)) for _ in range(n)]
+
+
+@pytest.mark.parametrize(
+    ("factory", "params", "least"),
+    [
+        ("IVF8,Flat", "nprobe=8", 0.95),  # nprobe = nlist: exhaustive
+        ("HNSW16", "efSearch=64", 0.0),  # inner product on unnormalised vectors: recall is what it is
+    ],
+)
+def test_ann_index_reports_recall_and_serves(tmp_path, tiny_core, toy_pairs, factory, params, least):
+    pool = _synthetic_pool(600)
+    manifest = build_bundle(
+        tmp_path / "b",
+        pool,
+        bi=str(tiny_core / "bi"),
+        factory=factory,
+        search_params=params,
+        onnx="none",
+        queries=[p.context for p in toy_pairs[:20]],
+        progress=False,
+    )
+    recall = manifest["index"]["recall_vs_exact"]
+    assert set(recall) == {"recall@1", "recall@10", "recall@100"}
+    assert least <= recall["recall@10"] <= 1.0
+    bundle = load_bundle(tmp_path / "b")
+    backend = make_backend(bundle)
+    _, ids = bundle.index.search(backend.encode_contexts([toy_pairs[0].context]), 5)
+    assert len(set(ids[0])) == 5 and ids[0].min() >= 0
+
+
+def test_too_few_vectors_for_the_factory_is_a_clear_error(tmp_path, tiny_core):
+    with pytest.raises(ValueError, match="could not train"):
+        build_bundle(
+            tmp_path / "b", toy_pool(), bi=str(tiny_core / "bi"), factory="IVF256,Flat", progress=False
+        )
+
+
+def test_add_appends_without_re_encoding(tmp_path, tiny_bundle, toy_pairs):
+    path = tmp_path / "b"
+    shutil.copytree(tiny_bundle, path)
+    before = load_bundle(path)
+    old_vectors = before.index.reconstruct_n(0, before.index.ntotal)
+    manifest = add_responses(
+        path, ["a brand new reply", "HELLO", "another new one", "a brand new  reply"], False
+    )
+    after = load_bundle(path)
+    assert after.texts == [*before.texts, "a brand new reply", "another new one"]  # HELLO already there
+    assert manifest["index"]["count"] == len(before.texts) + 2
+    np.testing.assert_array_equal(after.index.reconstruct_n(0, before.index.ntotal), old_vectors)
+    assert after.version != before.version and len(manifest["additions"]) == 1
+    # the new rows are what the bundle's encoder gives for those texts (int8 ONNX quantises activations
+    # per batch, so batch-mates move the values a little)
+    fresh = make_backend(after).encode_responses(["another new one"])
+    row = after.index.reconstruct(after.texts.index("another new one"))
+    np.testing.assert_allclose(row, fresh[0], atol=5e-3)
+
+
+def test_onnx_matches_torch(tmp_path, tiny_core, toy_pairs):
+    """fp32 ONNX reproduces PyTorch closely; int8 stays within a tolerance and keeps the top-1."""
+    contexts = [p.context for p in toy_pairs[:8]]
+    pool = toy_pool()
+    results = {}
+    for precision in ("fp32", "int8"):
+        out = tmp_path / precision
+        build_bundle(
+            out,
+            pool,
+            bi=str(tiny_core / "bi"),
+            cross=str(tiny_core / "cross"),
+            onnx=precision,
+            progress=False,
+        )
+        bundle = load_bundle(out)
+        results[precision] = make_backend(bundle, "onnx")
+    reference = make_backend(load_bundle(tmp_path / "fp32"), "torch")
+    flat_c = [c for c in contexts for _ in pool]
+    flat_r = pool * len(contexts)
+    want_q = reference.encode_contexts(contexts)
+    want_s = reference.score_pairs(flat_c, flat_r).reshape(len(contexts), -1)
+    want_top = (want_q @ reference.encode_responses(pool).T).argmax(1)
+    for precision, tol in (("fp32", 1e-4), ("int8", 0.1)):
+        backend = results[precision]
+        got_q = backend.encode_contexts(contexts)
+        got_s = backend.score_pairs(flat_c, flat_r).reshape(len(contexts), -1)
+        spread = want_s.max() - want_s.min()
+        assert np.abs(got_q - want_q).max() <= tol * np.abs(want_q).max(), precision
+        assert np.abs(got_s - want_s).max() <= tol * spread, precision
+        assert (got_s.argmax(1) == want_s.argmax(1)).all(), precision
+        assert ((got_q @ backend.encode_responses(pool).T).argmax(1) == want_top).all(), precision
+
+
+def test_normalised_keys(tiny_bundle):
+    bundle = load_bundle(tiny_bundle)
+    assert bundle.keys == [normalize(t) for t in bundle.texts]
+
+
+def test_recall_vs_exact_measures_misses():
+    from coreply.bundle import apply_search_params
+    from index_builder.faiss_index import make_index, recall_vs_exact
+
+    rng = np.random.default_rng(0)
+    vectors = rng.normal(size=(2000, 16)).astype("float32")
+    queries = rng.normal(size=(50, 16)).astype("float32")
+    assert recall_vs_exact(make_index(vectors), vectors, queries)["recall@10"] == 1.0
+    ivf = make_index(vectors, "IVF32,Flat")
+    apply_search_params(ivf, "nprobe=1")
+    narrow = recall_vs_exact(ivf, vectors, queries)["recall@10"]
+    apply_search_params(ivf, "nprobe=32")
+    assert narrow < 0.9 and recall_vs_exact(ivf, vectors, queries)["recall@10"] == 1.0
+    with pytest.raises(ValueError, match="do not fit"):
+        apply_search_params(ivf, "efSearch=10")

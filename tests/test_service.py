@@ -1,0 +1,237 @@
+"""The service in process (Starlette's TestClient runs the lifespan): validation limits, echo and
+exclude filtering, fusion, metrics, and the micro-batcher."""
+
+import asyncio
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from conftest import TOPICS
+from fastapi.testclient import TestClient
+
+from coreply.fusion import drop_blocked, fuse
+from index_builder.build import build_bundle
+from service.app import create_app
+from service.batching import MicroBatcher, Overloaded
+from service.settings import Settings
+
+LIMITS = dict(
+    default_candidates=6,
+    max_turns=4,
+    max_utterance_chars=50,
+    max_top_k=5,
+    max_candidates=8,
+    max_exclude=3,
+    max_body_bytes=2048,
+)
+
+
+@pytest.fixture(scope="module")
+def client(tiny_bundle):
+    with TestClient(create_app(Settings(bundle=tiny_bundle, threads=1, **LIMITS))) as c:
+        yield c
+
+
+def post(client, **body):
+    return client.post("/respond", json=body)
+
+
+def test_ready_and_health(client):
+    assert client.get("/healthz").json() == {"status": "ok"}
+    ready = client.get("/readyz").json()
+    assert ready["status"] == "ready" and ready["reranker"] and ready["backend"] == "onnx"
+
+
+def test_respond_ranks_by_fused_score(client):
+    question, answer = TOPICS["pet"]
+    body = post(client, context=["hello", question], top_k=5, fusion="sum").json()
+    scores = [r["score"] for r in body["responses"]]
+    assert scores == sorted(scores, reverse=True) and len(scores) == 5
+    for r in body["responses"]:
+        assert r["score"] == pytest.approx(r["retrieval_score"] + r["rerank_score"])
+    assert body["responses"][0]["text"] == answer  # the toy models learned this topic
+    assert set(body["timings_ms"]) == {"total", "queue_wait", "encode", "search", "rerank"}
+    assert body["timings_ms"]["total"] >= body["timings_ms"]["encode"] > 0
+    assert body["n_candidates"] == 6 and body["fusion"] == "sum"
+
+
+def test_fusion_modes(client):
+    context = ["what is your favorite food ?"]
+    retrieval = post(client, context=context, top_k=3, fusion="retrieval").json()
+    assert all(r["rerank_score"] is None for r in retrieval["responses"])
+    assert retrieval["timings_ms"]["rerank"] == 0
+    rerank = post(client, context=context, top_k=3, fusion="rerank").json()
+    assert [r["score"] for r in rerank["responses"]] == [r["rerank_score"] for r in rerank["responses"]]
+    default = post(client, context=context).json()
+    assert default["fusion"] == "zscore" and len(default["responses"]) == 1
+
+
+def test_echoes_are_never_returned(client):
+    _, answer = TOPICS["food"]
+    for fusion in ("retrieval", "sum"):
+        body = post(client, context=["hi", answer.upper()], top_k=5, n_candidates=8, fusion=fusion).json()
+        assert answer not in [r["text"] for r in body["responses"]]
+
+
+def test_exclude_by_id_and_text(client):
+    question, _ = TOPICS["pet"]
+    first = post(client, context=[question], top_k=2, fusion="retrieval").json()["responses"]
+    by_id = post(client, context=[question], top_k=2, fusion="retrieval", exclude=[first[0]["id"]]).json()
+    assert by_id["responses"][0]["id"] == first[1]["id"]
+    by_text = post(
+        client, context=[question], top_k=2, fusion="retrieval", exclude=[f"  {first[0]['text']} "]
+    )
+    assert by_text.json()["responses"][0]["id"] == first[1]["id"]
+
+
+@pytest.mark.parametrize(
+    ("field", "ok", "bad"),
+    [
+        ("context", {"context": ["hi"] * 4}, {"context": ["hi"] * 5}),
+        ("context.0", {"context": ["x" * 50]}, {"context": ["x" * 51]}),
+        ("top_k", {"context": ["hi"], "top_k": 5}, {"context": ["hi"], "top_k": 6}),
+        ("n_candidates", {"context": ["hi"], "n_candidates": 8}, {"context": ["hi"], "n_candidates": 9}),
+        (
+            "exclude",
+            {"context": ["hi"], "exclude": [1, 2, "x"]},
+            {"context": ["hi"], "exclude": [1, 2, 3, 4]},
+        ),
+    ],
+)
+def test_limits_n_ok_n_plus_one_refused(client, field, ok, bad):
+    assert post(client, **ok).status_code == 200
+    response = post(client, **bad)
+    assert response.status_code == 422
+    assert response.json()["error"].startswith(f"{field}:")
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({}, "context"),
+        ({"context": []}, "context"),
+        ({"context": "hello"}, "context"),
+        ({"context": ["ok", "   "]}, "context"),
+        ({"context": [3]}, "context.0"),
+        ({"context": ["hi"], "top_k": 0}, "top_k"),
+        ({"context": ["hi"], "top_k": "2"}, "top_k"),
+        ({"context": ["hi"], "fusion": "max"}, "fusion"),
+        ({"context": ["hi"], "surprise": 1}, "surprise"),
+        ({"context": ["hi"], "top_k": 5, "n_candidates": 3}, "top_k"),
+    ],
+)
+def test_bad_requests_name_the_field(client, body, field):
+    response = post(client, **body)
+    assert response.status_code == 422, response.text
+    assert response.json()["error"].startswith(f"{field}:"), response.json()
+
+
+def test_body_limits(client):
+    response = client.post("/respond", content=json.dumps({"context": ["x" * 3000]}))
+    assert response.status_code == 413 and "2048 bytes" in response.json()["error"]
+    response = client.post("/respond", content=b"{not json", headers={"content-type": "application/json"})
+    assert response.status_code == 422 and response.json()["error"].startswith("body:")
+
+
+def test_metrics_count_requests(client):
+    before = client.get("/metrics").text
+    post(client, context=["hi"])
+    post(client, context=[])
+    text = client.get("/metrics").text
+
+    def value(page, series):
+        line = next((ln for ln in page.splitlines() if ln.startswith(series + " ")), None)
+        return float(line.split()[-1]) if line else 0.0
+
+    ok = 'coreply_requests_total{route="/respond",status="2xx"}'
+    bad = 'coreply_requests_total{route="/respond",status="4xx"}'
+    assert value(text, ok) == value(before, ok) + 1
+    assert value(text, bad) == value(before, bad) + 1
+    assert value(text, 'coreply_request_duration_seconds_count{route="/respond"}') >= 2
+    assert 'coreply_stage_duration_seconds_bucket{le="0.01",stage="rerank"}' in text
+    client.get("/no/such/path/12345")
+    assert "/no/such/path" not in client.get("/metrics").text  # unknown paths share one label
+
+
+def test_retrieval_only_bundle_refuses_rerank(tmp_path, tiny_core):
+    build_bundle(
+        tmp_path / "b", [a for _, a in TOPICS.values()], bi=str(tiny_core / "bi"), onnx="none", progress=False
+    )
+    with TestClient(create_app(Settings(bundle=tmp_path / "b", threads=1))) as c:
+        assert c.get("/readyz").json()["backend"] == "torch"
+        body = c.post("/respond", json={"context": ["do you have a pet ?"]}).json()
+        assert body["fusion"] == "retrieval"
+        refused = c.post("/respond", json={"context": ["hi"], "fusion": "sum"})
+        assert refused.status_code == 422 and "needs a reranker" in refused.json()["error"]
+
+
+def test_fusion_math():
+    r, g = np.array([1.0, 2.0, 3.0]), np.array([3.0, 0.0, 0.0])
+    assert fuse("sum", r, g).tolist() == [4.0, 2.0, 3.0]
+    z = fuse("zscore", r, g, weight=0.5)
+    by_hand = 0.5 * (r - 2) / r.std() + 0.5 * (g - 1) / g.std()
+    np.testing.assert_allclose(z, by_hand, atol=1e-5)
+    ids, scores = drop_blocked(
+        np.array([2, -1, 0, 1]), np.array([4.0, 3.0, 2.0, 1.0]), ["a", "b", "c"], ["C "]
+    )
+    assert ids.tolist() == [0, 1] and scores.tolist() == [2.0, 1.0]
+
+
+# ---------------------------------------------------------------------------------------- batching
+
+
+def run_batcher(coro_fn):
+    async def main():
+        executor = ThreadPoolExecutor(1)
+        try:
+            return await coro_fn(executor)
+        finally:
+            executor.shutdown()
+
+    return asyncio.run(main())
+
+
+def test_concurrent_requests_share_a_batch():
+    seen = []
+
+    def run(items):
+        seen.append(list(items))
+        return [x * 10 for x in items], {"work": 0.0}
+
+    async def scenario(executor):
+        batcher = MicroBatcher("t", run, executor, max_size=8, max_wait_s=0.05, max_queue=16)
+        batcher.start()
+        done = await asyncio.gather(*(batcher.submit(i) for i in range(5)))
+        await batcher.stop()
+        return done
+
+    done = run_batcher(scenario)
+    assert [d.result for d in done] == [0, 10, 20, 30, 40]
+    assert seen == [[0, 1, 2, 3, 4]] and all(d.batch_items == 5 for d in done)
+
+
+def test_batches_are_bounded_and_errors_reach_every_caller():
+    sizes = []
+
+    def run(items):
+        sizes.append(len(items))
+        if "boom" in items:
+            raise RuntimeError("model failed")
+        return list(items), {}
+
+    async def scenario(executor):
+        batcher = MicroBatcher("t", run, executor, max_size=2, max_wait_s=0.05, max_queue=2)
+        batcher.start()
+        results = await asyncio.gather(*(batcher.submit(x) for x in ("a", "b", "c")), return_exceptions=True)
+        with pytest.raises(Overloaded):
+            await asyncio.gather(*(batcher.submit(x) for x in "defg"))
+        failed = await asyncio.gather(batcher.submit("boom"), batcher.submit("x"), return_exceptions=True)
+        await batcher.stop()
+        return results, failed
+
+    results, failed = run_batcher(scenario)
+    assert [r.result for r in results[:2]] == ["a", "b"]
+    assert isinstance(results[2], Overloaded)  # a queue of 2: the third waiting request is refused
+    assert max(sizes) <= 2
+    assert all(isinstance(f, RuntimeError) for f in failed)
