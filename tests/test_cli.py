@@ -134,5 +134,40 @@ def test_user_errors_are_one_line_messages_with_exit_code_2(tmp_path, tiny_model
     result = coreply("train", "--mode", "distill", "-o", str(tmp_path / "r"), "--data", str(bad))
     assert result.returncode == 2 and "needs --teacher" in result.stderr
 
-    result = coreply("serve")
-    assert result.returncode == 2 and "not built yet" in result.stdout
+    result = coreply("serve", "--bundle", str(tmp_path / "missing"))
+    assert result.returncode == 2 and "no bundle at" in result.stderr
+
+    result = coreply("index", "verify", str(tmp_path))
+    assert result.returncode == 2 and "not a coreply bundle" in result.stderr
+
+
+def test_index_build_add_verify(tmp_path, tiny_core):
+    pool = tmp_path / "pool.txt"
+    pool.write_text("i love pizza\nyes i have a dog\nI love  pizza\n")
+    out = tmp_path / "bundle"
+    built = coreply(
+        "index", "build", "-o", str(out), "--bi", str(tiny_core / "bi"), "--pool", str(pool), "--onnx", "none"
+    )
+    assert built.returncode == 0, built.stderr
+    assert "2 responses" in built.stdout
+    more = tmp_path / "more.jsonl"
+    more.write_text('{"text": "see you soon"}\n')
+    added = coreply("index", "add", str(out), str(more))
+    assert added.returncode == 0 and "3 responses" in added.stdout, added.stderr
+    assert "ok (version" in coreply("index", "verify", str(out)).stdout
+    (out / "responses.jsonl").write_text("tampered\n")
+    result = coreply("index", "verify", str(out))
+    assert result.returncode == 2 and "responses.jsonl: corrupted" in result.stderr
+    bad = coreply(
+        "index",
+        "build",
+        "-o",
+        str(tmp_path / "b2"),
+        "--bi",
+        str(tiny_core / "bi"),
+        "--pool",
+        str(pool),
+        "--factory",
+        "Bogus7",
+    )
+    assert bad.returncode == 2 and "factory string 'Bogus7'" in bad.stderr and "Traceback" not in bad.stderr

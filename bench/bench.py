@@ -1,0 +1,238 @@
+"""Latency and throughput of coreply's /respond against a naive in-process peer, side by side.
+
+coreply runs as the real server (``coreply serve`` under uvicorn, a subprocess) and is called over
+HTTP at concurrency 1 / 4 / 16; the peer is the pipeline a team would hand-roll from
+sentence-transformers on the same weights: ``SentenceTransformer.encode`` (the turns joined) -> FAISS
+exact search over the bundle's index -> the cross-encoder in PyTorch fp32, one batch per request.
+The two alternate in blocks within one invocation so that machine noise hits both alike.
+
+    python bench/bench.py --bundle artifacts/bench-bundle --out docs/perf-cpu.json
+
+Quality parity: on the same requests, the fraction whose top-1 is the same for both (coreply runs
+int8 ONNX, the peer fp32 PyTorch) is reported beside the timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from coreply.text import normalize
+
+
+def percentiles(ms: list[float]) -> dict[str, float]:
+    a = np.asarray(ms)
+    return {f"p{q}": round(float(np.percentile(a, q)), 1) for q in (50, 95, 99)} | {
+        "mean": round(float(a.mean()), 1)
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``coreply serve`` in a subprocess."""
+
+    def __init__(self, bundle: str, threads: int) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "COREPLY_MAX_CANDIDATES": "200", "COREPLY_QUEUE_MAX": "1024"}
+        cmd = [sys.executable, "-m", "coreply.cli", "serve", "--bundle", bundle, "--port", str(self.port)]
+        cmd += ["--threads", str(threads)]
+        self.process = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/readyz", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        raise TimeoutError("server did not become ready")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=60)
+
+
+async def load(url: str, contexts: list[list[str]], n_r: int, concurrency: int) -> dict:
+    """Send every context once with ``concurrency`` requests in flight; client-side latency per request."""
+    latencies, stages, tops = [], [], []
+    queue = list(enumerate(contexts))
+    results: dict[int, int] = {}
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        while queue:
+            i, context = queue.pop(0)
+            body = {"context": context, "n_candidates": n_r, "fusion": "rerank"}
+            start = time.perf_counter()
+            response = await client.post(url + "/respond", json=body)
+            latencies.append(1000 * (time.perf_counter() - start))
+            response.raise_for_status()
+            data = response.json()
+            stages.append(data["timings_ms"])
+            results[i] = data["responses"][0]["id"]
+
+    limits = httpx.Limits(max_connections=concurrency)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+        wall = time.perf_counter() - start
+    tops = [results[i] for i in range(len(contexts))]
+    mean_stage = {k: round(float(np.mean([s[k] for s in stages])), 1) for k in stages[0]}
+    return {
+        "latency_ms": percentiles(latencies),
+        "rps": round(len(contexts) / wall, 1),
+        "stages_ms": mean_stage,
+        "top1": tops,
+    }
+
+
+class Peer:
+    """The naive pipeline: sentence-transformers encode -> FAISS -> cross-encoder fp32, per request."""
+
+    def __init__(self, bundle_dir: str) -> None:
+        import torch
+        from sentence_transformers import SentenceTransformer
+
+        from coreply.bundle import load_bundle
+        from coreply.checkpoint import load_checkpoint
+        from coreply.models import resolve_base_model
+
+        bundle = load_bundle(bundle_dir)
+        if bundle.manifest["models"]["bi"]["source"] != "zero-shot":
+            raise SystemExit(
+                "the peer is all-MiniLM-L6-v2 in sentence-transformers: build with --bi zero-shot"
+            )
+        self.bundle = bundle
+        self.encoder = SentenceTransformer(str(resolve_base_model("default")), device="cpu")
+        self.cross = load_checkpoint(bundle.model_dir("cross"), "cpu", expect="cross")
+        self.torch = torch
+
+    def __call__(self, context: list[str], n_r: int) -> tuple[int, dict[str, float]]:
+        t0 = time.perf_counter()
+        query = self.encoder.encode([" ".join(context)], convert_to_numpy=True, normalize_embeddings=True)
+        t1 = time.perf_counter()
+        _, ids = self.bundle.index.search(query.astype("float32"), n_r + len(context))
+        said = {normalize(u) for u in context}
+        ids = [int(i) for i in ids[0] if i >= 0 and self.bundle.keys[i] not in said][:n_r]
+        t2 = time.perf_counter()
+        texts = [self.bundle.texts[i] for i in ids]
+        scores = self.cross.score_pairs([context] * len(texts), texts, batch_size=len(texts) or 1).numpy()
+        t3 = time.perf_counter()
+        stages = {"encode": 1000 * (t1 - t0), "search": 1000 * (t2 - t1), "rerank": 1000 * (t3 - t2)}
+        return ids[int(np.argmax(scores))], stages
+
+
+def run_peer(peer: Peer, contexts: list[list[str]], n_r: int) -> dict:
+    latencies, stages, tops = [], [], []
+    for context in contexts:
+        start = time.perf_counter()
+        top, stage = peer(context, n_r)
+        latencies.append(1000 * (time.perf_counter() - start))
+        stages.append(stage)
+        tops.append(top)
+    mean_stage = {k: round(float(np.mean([s[k] for s in stages])), 1) for k in stages[0]}
+    return {
+        "latency_ms": percentiles(latencies),
+        "rps": round(1000 / np.mean(latencies), 1),
+        "stages_ms": mean_stage,
+        "top1": tops,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bundle", required=True, help="a bundle with a reranker, built with --bi zero-shot")
+    p.add_argument("--n-r", type=int, nargs="+", default=[10, 20, 50, 100])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--requests", type=int, default=60, help="requests per cell (distinct test contexts)")
+    p.add_argument("--threads", type=int, default=0, help="server intra-op threads (0 = its own measurement)")
+    p.add_argument("--no-peer", action="store_true")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+
+    from coreply.corpus import load_chitchat
+
+    pairs = load_chitchat()["test"][: args.requests]
+    contexts = [list(pair.context) for pair in pairs]
+    golds = [normalize(pair.response) for pair in pairs]
+    warm = contexts[:5]
+    peer = None if args.no_peer else Peer(args.bundle)
+    from coreply.bundle import read_manifest, read_responses
+
+    read_manifest(Path(args.bundle))
+    keys = [normalize(t) for t in read_responses(Path(args.bundle) / "responses.jsonl")]
+    server = Server(args.bundle, args.threads)
+    rows = []
+    try:
+        ready = httpx.get(server.url + "/readyz").json()
+        for n_r in args.n_r:
+            asyncio.run(load(server.url, warm, n_r, 1))  # warm the path for this n_r
+            if peer is not None:
+                run_peer(peer, warm, n_r)
+            for concurrency in args.concurrency:
+                ours = asyncio.run(load(server.url, contexts, n_r, concurrency))
+                row = {"n_r": n_r, "concurrency": concurrency, "coreply": ours}
+                if peer is not None and concurrency == 1:  # the naive script serves one request at a time
+                    theirs = run_peer(peer, contexts, n_r)
+                    row["peer"] = theirs
+                    row["hits@1"] = {
+                        side: round(
+                            100
+                            * float(np.mean([keys[t] == g for t, g in zip(res["top1"], golds, strict=True)])),
+                            1,
+                        )
+                        for side, res in (("coreply", ours), ("peer", theirs))
+                    }
+                    row["same_top1"] = round(
+                        float(np.mean([a == b for a, b in zip(ours["top1"], theirs["top1"], strict=True)])), 3
+                    )
+                    row["p50_speedup"] = round(theirs["latency_ms"]["p50"] / ours["latency_ms"]["p50"], 2)
+                rows.append(row)
+                print(
+                    json.dumps(
+                        {k: v for k, v in row.items() if k not in ("coreply", "peer")}
+                        | {
+                            "ours_ms": ours["latency_ms"],
+                            "ours_rps": ours["rps"],
+                            "peer_ms": row.get("peer", {}).get("latency_ms"),
+                        }
+                    ),
+                    flush=True,
+                )
+    finally:
+        server.stop()
+    for row in rows:
+        for side in ("coreply", "peer"):
+            row.get(side, {}).pop("top1", None)
+    result = {
+        "date": dt.date.today().isoformat(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} vCPUs, {platform.platform()}",
+        "command": " ".join(sys.argv),
+        "bundle": ready,
+        "rows": rows,
+    }
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

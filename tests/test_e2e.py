@@ -1,0 +1,157 @@
+"""End to end: the real server (``coreply serve`` under uvicorn, in a subprocess) over real HTTP;
+schema-based fuzzing of /respond; a real Prometheus server scraping /metrics."""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import schemathesis
+from conftest import TOPICS
+from hypothesis import HealthCheck, given, settings
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(url: str, process: subprocess.Popen | None = None, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"process exited with {process.returncode}")
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(url)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_bundle, tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    env = {**os.environ, "COREPLY_MAX_TURNS": "6", "COREPLY_MAX_UTTERANCE_CHARS": "200"}
+    cmd = [sys.executable, "-m", "coreply.cli", "serve", "--bundle", str(tiny_bundle), "--port", str(port)]
+    with open(log, "w") as out:
+        process = subprocess.Popen([*cmd, "--threads", "1"], stdout=out, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(base + "/readyz", process)
+        yield base
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    # uvicorn re-raises the SIGTERM it handled after a clean shutdown
+    assert process.returncode in (0, -15) and "Application shutdown complete" in log.read_text()
+
+
+def test_respond_over_http(server):
+    question, answer = TOPICS["sport"]
+    r = httpx.post(server + "/respond", json={"context": ["hi", question], "top_k": 3, "fusion": "sum"})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["responses"][0]["text"] == answer
+    scores = [c["score"] for c in body["responses"]]
+    assert scores == sorted(scores, reverse=True)
+    assert body["timings_ms"]["total"] > 0 and body["bundle_version"]
+
+
+def test_errors_over_http(server):
+    r = httpx.post(server + "/respond", json={"context": ["x"] * 7})
+    assert r.status_code == 422 and r.json()["error"].startswith("context:")
+    r = httpx.post(server + "/respond", json={"context": ["x" * 201]})
+    assert r.status_code == 422 and r.json()["error"].startswith("context.0:")
+    r = httpx.post(server + "/respond", content=b"x" * 70_000)
+    assert r.status_code == 413
+    r = httpx.get(server + "/respond")
+    assert r.status_code == 405
+
+
+def test_metrics_over_http(server):
+    def respond_count() -> float:
+        for line in httpx.get(server + "/metrics").text.splitlines():
+            if line.startswith('coreply_requests_total{route="/respond",status="2xx"}'):
+                return float(line.split()[-1])
+        return 0.0
+
+    before = respond_count()
+    for _ in range(3):
+        httpx.post(server + "/respond", json={"context": ["hello"]})
+    assert respond_count() == before + 3
+
+
+def test_fuzz_never_5xx_and_matches_schema(server):
+    """Requests generated from /openapi.json (valid and invalid): never a 5xx, answers match the schema."""
+    checks = [
+        not_a_server_error,
+        status_code_conformance,
+        content_type_conformance,
+        response_schema_conformance,
+    ]
+    api = schemathesis.openapi.from_url(server + "/openapi.json")
+    operations = [result.ok() for result in api.get_all_operations()]
+    assert {op.path for op in operations} >= {"/respond", "/healthz", "/readyz", "/metrics"}
+    for operation in operations:
+
+        @given(case=operation.as_strategy())
+        @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        def check(case):
+            case.call_and_validate(base_url=server, checks=checks)
+
+        check()
+
+
+@pytest.mark.skipif(
+    shutil.which("prometheus") is None, reason="needs the Debian package prometheus (.ci/run installs it)"
+)
+def test_prometheus_scrapes_the_service(server, tmp_path):
+    host_port = server.removeprefix("http://")
+    (tmp_path / "prometheus.yml").write_text(
+        "global:\n  scrape_interval: 1s\nscrape_configs:\n"
+        f"  - job_name: coreply\n    static_configs:\n      - targets: ['{host_port}']\n"
+    )
+    port = free_port()
+    prometheus = subprocess.Popen(
+        [
+            "prometheus",
+            f"--config.file={tmp_path / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    api_url = f"http://127.0.0.1:{port}/api/v1/query"
+    query = (
+        'histogram_quantile(0.99, sum by (le) (coreply_request_duration_seconds_bucket{route="/respond"}))'
+    )
+    try:
+        wait_for(f"http://127.0.0.1:{port}/-/ready", prometheus, timeout=60)
+        result = []
+        deadline = time.monotonic() + 60
+        while not result and time.monotonic() < deadline:
+            httpx.post(server + "/respond", json={"context": ["do you play a sport ?"]})
+            data = httpx.get(api_url, params={"query": query}).json()
+            assert data["status"] == "success"
+            result = [r for r in data["data"]["result"] if r["value"][1] not in ("NaN", "+Inf")]
+            time.sleep(0.5)
+        assert result, "Prometheus returned no data for the request-latency histogram"
+        assert 0 < float(result[0]["value"][1]) < 5
+    finally:
+        prometheus.terminate()
+        prometheus.wait(timeout=30)
