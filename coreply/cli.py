@@ -223,6 +223,7 @@ def _index_parser(sub) -> None:
     b.add_argument("--factory", default="Flat", help="FAISS factory string, e.g. Flat, IVF1024,Flat, HNSW32")
     b.add_argument("--search-params", default="", help="e.g. nprobe=16 or efSearch=128")
     b.add_argument("--onnx", choices=["int8", "fp32", "none"], default="int8")
+    b.add_argument("--calibrate", type=int, default=200, help="valid pairs for the z-score weight (chitchat)")
     b.add_argument("--device", default="auto")
     a = isub.add_parser("add", help="append responses to a bundle without re-encoding the others")
     a.add_argument("bundle")
@@ -255,8 +256,9 @@ def _cmd_index(args: argparse.Namespace) -> int:
         splits = load_chitchat()
         texts = responses_of(splits)
         queries = [p.context for p in splits["valid"][:500]]
+        calibration = splits["valid"][: args.calibrate] if args.cross else []
     else:
-        texts, queries = read_pool(args.pool), []
+        texts, queries, calibration = read_pool(args.pool), [], []
     if args.queries:
         queries = [p.context for p in read_pairs(args.queries)][:500]
     manifest = build_bundle(
@@ -270,6 +272,7 @@ def _cmd_index(args: argparse.Namespace) -> int:
         queries=queries,
         device=args.device,
         pool_source=args.pool,
+        calibration=calibration,
     )
     info = manifest["index"]
     print(

@@ -32,7 +32,7 @@ from coreply.bundle import (
 )
 from coreply.checkpoint import load_bi, load_checkpoint, read_meta, save_checkpoint
 from coreply.config import ZERO_SHOT
-from coreply.corpus import build_pool
+from coreply.corpus import Pair, build_pool
 from coreply.device import autocast, resolve_device
 from coreply.inference import Backend, export_onnx
 from coreply.text import normalize
@@ -73,6 +73,28 @@ def _place_model(spec: str, kind: str, dest: Path, device: str):
     return load_checkpoint(dest, device, expect=kind)
 
 
+def calibrate_zscore(
+    backend: Backend, index, pool: Sequence[str], pairs: Sequence[Pair], n_r: int = 10
+) -> dict[str, Any]:
+    """Choose the z-score fusion weight with the best hits@1 on held-out pairs whose gold responses are in
+    the pool (the evaluation's own grid search), at ``n_r`` candidates."""
+    from coreply.fusion import drop_echoes
+    from training.evaluation import Retrieved, choose_zscore_weight
+
+    keys = [normalize(t) for t in pool]
+    queries = backend.encode_contexts([p.context for p in pairs])  # [B, D]
+    scores, rows = index.search(queries, n_r + max(len(p.context) for p in pairs))
+    ids, retrieval, rerank = [], [], []
+    for pair, row_ids, row_scores in zip(pairs, rows, scores, strict=True):
+        kept_ids, kept_scores = drop_echoes(pair.context, row_ids, row_scores, keys)
+        ids.append(kept_ids[:n_r])
+        retrieval.append(kept_scores[:n_r].astype(float))
+        top = [pool[i] for i in ids[-1]]
+        rerank.append(backend.score_pairs([pair.context] * len(top), top).astype(float))
+    weight = choose_zscore_weight(pairs, keys, Retrieved(ids, retrieval, rerank, 0.0, 0.0), n_r)
+    return {"zscore_weight": weight, "calibrated_on": f"{len(pairs)} held-out pairs, hits@1 at n_r={n_r}"}
+
+
 def _model_entry(path: Path, spec: str) -> dict[str, Any]:
     meta = read_meta(path, verify=False)
     return {
@@ -94,10 +116,12 @@ def build_bundle(
     queries: Sequence[Sequence[str]] = (),
     device: str = "auto",
     pool_source: str = "",
+    calibration: Sequence[Pair] = (),
     progress: bool = True,
 ) -> dict[str, Any]:
     """Encode ``texts`` (normalised duplicates dropped, first spelling kept, ids in order) and write a
-    bundle to ``out`` atomically. ``queries`` (contexts) measure the index's recall against exact search."""
+    bundle to ``out`` atomically. ``queries`` (contexts) measure the index's recall against exact search;
+    ``calibration`` pairs (with a reranker) choose the z-score fusion weight."""
     if onnx not in ONNX_CHOICES:
         raise ValueError(f"--onnx must be one of {ONNX_CHOICES}, got {onnx!r}")
     started = time.perf_counter()
@@ -130,6 +154,9 @@ def build_bundle(
         index = make_index(vectors, factory)
         apply_search_params(index, search_params)
         recall = recall_vs_exact(index, vectors, query_vectors) if query_vectors is not None else {}
+        if cross_model is not None and calibration:
+            with autocast(torch_device):
+                manifest["fusion"] = calibrate_zscore(backend, index, pool, calibration)
         import faiss
 
         faiss.write_index(index, str(tmp / INDEX))

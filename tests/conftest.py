@@ -87,6 +87,7 @@ def tiny_bundle(tmp_path_factory, tiny_core, toy_pairs) -> Path:
         bi=str(tiny_core / "bi"),
         cross=str(tiny_core / "cross"),
         queries=[p.context for p in toy_pairs[:8]],
+        calibration=toy_pairs[:16],
         progress=False,
     )
     return out

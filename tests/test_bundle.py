@@ -24,6 +24,8 @@ def test_bundle_round_trip(tiny_bundle):
     assert manifest["models"]["bi"]["training"]["train_config"]["mode"] == "core"
     assert manifest["encoder"] == "onnx-int8"
     assert set(manifest["files"]) == set(hash_files(tiny_bundle))
+    weight = manifest["fusion"]["zscore_weight"]  # chosen on held-out pairs from the 0.0..1.0 grid
+    assert 0.0 <= weight <= 1.0 and round(weight * 10) == weight * 10
 
 
 def test_duplicates_are_dropped_and_ids_stay_in_order(tmp_path, tiny_core):

@@ -10,7 +10,8 @@ import pytest
 from conftest import TOPICS
 from fastapi.testclient import TestClient
 
-from coreply.fusion import drop_blocked, fuse
+from coreply.bundle import load_bundle
+from coreply.fusion import drop_blocked, fuse, zscore
 from index_builder.build import build_bundle
 from service.app import create_app
 from service.batching import MicroBatcher, Overloaded
@@ -56,15 +57,20 @@ def test_respond_ranks_by_fused_score(client):
     assert body["n_candidates"] == 6 and body["fusion"] == "sum"
 
 
-def test_fusion_modes(client):
+def test_fusion_modes(client, tiny_bundle):
     context = ["what is your favorite food ?"]
     retrieval = post(client, context=context, top_k=3, fusion="retrieval").json()
     assert all(r["rerank_score"] is None for r in retrieval["responses"])
     assert retrieval["timings_ms"]["rerank"] == 0
     rerank = post(client, context=context, top_k=3, fusion="rerank").json()
     assert [r["score"] for r in rerank["responses"]] == [r["rerank_score"] for r in rerank["responses"]]
-    default = post(client, context=context).json()
-    assert default["fusion"] == "zscore" and len(default["responses"]) == 1
+    default = post(client, context=context, top_k=5, n_candidates=5).json()  # every candidate returned
+    assert default["fusion"] == "zscore" and len(default["responses"]) == 5
+    weight = load_bundle(tiny_bundle).manifest["fusion"]["zscore_weight"]  # calibrated at build time
+    r = np.array([c["retrieval_score"] for c in default["responses"]])
+    g = np.array([c["rerank_score"] for c in default["responses"]])
+    want = weight * zscore(r) + (1 - weight) * zscore(g)
+    np.testing.assert_allclose([c["score"] for c in default["responses"]], want, atol=1e-6)
 
 
 def test_echoes_are_never_returned(client):
