@@ -20,13 +20,11 @@ from coreply.bundle import (
     MANIFEST,
     RESPONSES,
     Bundle,
-    BundleError,
     apply_search_params,
     finish,
     link_or_copy,
     load_bundle,
     make_backend,
-    read_manifest,
     staging,
     write_responses,
 )
@@ -175,7 +173,7 @@ def build_bundle(
             "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "pool_source": pool_source,
             "input_texts": len(texts),
-            "duplicates_dropped": len(texts) - len(pool),
+            "dropped_duplicates_or_blank": len(texts) - len(pool),
             "encode_seconds": round(encode_s, 1),
             "responses_per_second": round(len(pool) / max(encode_s, 1e-9), 1),
             "total_seconds": round(time.perf_counter() - started, 1),
@@ -226,6 +224,3 @@ def _threads() -> int:
     import os
 
     return max(1, min(2, os.cpu_count() or 1))
-
-
-__all__ = ["BundleError", "add_responses", "build_bundle", "encode_pool", "read_manifest", "verify_bundle"]

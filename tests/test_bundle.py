@@ -33,7 +33,7 @@ def test_duplicates_are_dropped_and_ids_stay_in_order(tmp_path, tiny_core):
     build_bundle(tmp_path / "b", texts, bi=str(tiny_core / "bi"), onnx="none", progress=False)
     bundle = load_bundle(tmp_path / "b")
     assert bundle.texts == ["Hello there", "second", "third"]
-    assert bundle.manifest["build"]["duplicates_dropped"] == 2
+    assert bundle.manifest["build"]["dropped_duplicates_or_blank"] == 2
     assert not bundle.has_reranker and bundle.manifest["models"]["cross"] is None
 
 
