@@ -16,7 +16,6 @@ the manifest, or :class:`BundleError` says which one does not.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -27,7 +26,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from coreply.checkpoint import CheckpointError, read_meta, replace_dir, sha256_file, write_json_atomic
+from coreply.checkpoint import (
+    CheckpointError,
+    content_hash,
+    file_mismatch,
+    hash_tree,
+    read_meta,
+    replace_dir,
+    write_json_atomic,
+)
 from coreply.text import normalize
 
 FORMAT = "coreply-bundle/1"
@@ -38,19 +45,6 @@ RESPONSES = "responses.jsonl"
 
 class BundleError(ValueError):
     """A bundle that is missing, malformed, corrupted or inconsistent with its manifest."""
-
-
-def hash_files(root: Path) -> dict[str, str]:
-    """sha256 of every file under ``root`` except the manifest, by relative posix path."""
-    return {
-        p.relative_to(root).as_posix(): sha256_file(p)
-        for p in sorted(root.rglob("*"))
-        if p.is_file() and p.name != MANIFEST
-    }
-
-
-def content_hash(files: dict[str, str]) -> str:
-    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
 
 
 def write_responses(path: Path, texts: Sequence[str]) -> None:
@@ -77,7 +71,7 @@ def read_responses(path: Path) -> list[str]:
 
 def finish(tmp: Path, final: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     """Hash the files of a bundle being written in ``tmp``, write its manifest, move it to ``final``."""
-    files = hash_files(tmp)
+    files = hash_tree(tmp, MANIFEST)
     manifest = {**manifest, "format": FORMAT, "files": files, "bundle_version": content_hash(files)[:16]}
     write_json_atomic(tmp / MANIFEST, manifest)
     replace_dir(tmp, final)
@@ -119,13 +113,9 @@ def read_manifest(root: Path, verify: bool = True) -> dict[str, Any]:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise BundleError(f"{path}: unsupported format, expected {FORMAT!r}")
     if verify:
-        recorded, actual = manifest.get("files", {}), hash_files(root)
-        for name in sorted(set(recorded) | set(actual)):
-            if recorded.get(name) != actual.get(name):
-                what = (
-                    "missing" if name not in actual else "unexpected" if name not in recorded else "corrupted"
-                )
-                raise BundleError(f"{root / name}: {what} (sha256 does not match {MANIFEST})")
+        recorded = manifest.get("files", {})
+        if problem := file_mismatch(root, recorded, MANIFEST):
+            raise BundleError(problem)
         if manifest.get("bundle_version") != content_hash(recorded)[:16]:
             raise BundleError(f"{path}: bundle_version does not match the file hashes")
     return manifest

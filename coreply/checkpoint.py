@@ -39,16 +39,27 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _content_hash(files: dict[str, str]) -> str:
+def content_hash(files: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
 
 
-def _hash_tree(root: Path) -> dict[str, str]:
+def hash_tree(root: Path, meta: str = META) -> dict[str, str]:
+    """sha256 of every file under ``root`` except the metadata file ``meta``, by relative posix path."""
     return {
         p.relative_to(root).as_posix(): sha256_file(p)
         for p in sorted(root.rglob("*"))
-        if p.is_file() and p.name != META
+        if p.is_file() and p.name != meta
     }
+
+
+def file_mismatch(root: Path, recorded: dict[str, str], meta: str = META) -> str | None:
+    """None if the files under ``root`` are exactly ``recorded`` (path -> sha256); else what differs."""
+    actual = hash_tree(root, meta)
+    for name in sorted(set(recorded) | set(actual)):
+        if recorded.get(name) != actual.get(name):
+            what = "missing" if name not in actual else "unexpected" if name not in recorded else "corrupted"
+            return f"{root / name}: {what} (sha256 does not match {meta})"
+    return None
 
 
 def save_weights(model: nn.Module, path: Path) -> None:
@@ -110,14 +121,14 @@ def save_checkpoint(
     try:
         save_weights(model, tmp / WEIGHTS)
         model.tokenizer.hf.save_pretrained(str(tmp / "tokenizer"))
-        files = _hash_tree(tmp)
+        files = hash_tree(tmp)
         meta = {
             "format": FORMAT,
             "kind": model.kind,
             "model_config": model.config.to_dict(),
             "backbone_config": model.backbone_config(),
             "files": files,
-            "content_hash": _content_hash(files),
+            "content_hash": content_hash(files),
             "extra": extra or {},
         }
         write_json_atomic(tmp / META, meta)
@@ -144,14 +155,9 @@ def read_meta(path: str | Path, verify: bool = True) -> dict[str, Any]:
         raise CheckpointError(f"{meta_path}: unknown kind {meta.get('kind')!r}")
     if verify:
         recorded = meta.get("files", {})
-        actual = _hash_tree(root)
-        for name in sorted(set(recorded) | set(actual)):
-            if recorded.get(name) != actual.get(name):
-                what = (
-                    "missing" if name not in actual else "unexpected" if name not in recorded else "corrupted"
-                )
-                raise CheckpointError(f"{root / name}: {what} (sha256 does not match {META})")
-        if meta.get("content_hash") != _content_hash(recorded):
+        if problem := file_mismatch(root, recorded):
+            raise CheckpointError(problem)
+        if meta.get("content_hash") != content_hash(recorded):
             raise CheckpointError(f"{meta_path}: content_hash does not match the file hashes")
     return meta
 

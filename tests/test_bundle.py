@@ -8,8 +8,8 @@ import pytest
 from conftest import toy_pool
 from tiny import WORDS
 
-from coreply.bundle import MANIFEST, BundleError, hash_files, load_bundle, make_backend
-from coreply.checkpoint import write_json_atomic
+from coreply.bundle import MANIFEST, BundleError, load_bundle, make_backend
+from coreply.checkpoint import content_hash, hash_tree, write_json_atomic
 from coreply.text import normalize
 from index_builder.build import add_responses, build_bundle
 
@@ -23,7 +23,7 @@ def test_bundle_round_trip(tiny_bundle):
     assert manifest["index"]["recall_vs_exact"]["recall@1"] == 1.0  # exact search against itself
     assert manifest["models"]["bi"]["training"]["train_config"]["mode"] == "core"
     assert manifest["encoder"] == "onnx-int8"
-    assert set(manifest["files"]) == set(hash_files(tiny_bundle))
+    assert set(manifest["files"]) == set(hash_tree(tiny_bundle, MANIFEST))
     weight = manifest["fusion"]["zscore_weight"]  # chosen on held-out pairs from the 0.0..1.0 grid
     assert 0.0 <= weight <= 1.0 and round(weight * 10) == weight * 10
 
@@ -81,8 +81,7 @@ def test_swapped_model_is_refused(copy, tiny_core):
     shutil.rmtree(copy / "bi")
     shutil.copytree(tiny_core / "cross", copy / "bi")  # a valid checkpoint, but not the indexing model
     manifest = json.loads((copy / MANIFEST).read_text())
-    manifest["files"] = hash_files(copy)
-    from coreply.bundle import content_hash
+    manifest["files"] = hash_tree(copy, MANIFEST)
 
     manifest["bundle_version"] = content_hash(manifest["files"])[:16]
     write_json_atomic(copy / MANIFEST, manifest)
