@@ -185,6 +185,7 @@ def create_app(settings: Settings | None = None, engine_factory: Callable[..., E
             "responses": len(engine.bundle.texts),
             "backend": engine.backend.name,
             "reranker": engine.backend.has_reranker,
+            "threads": engine.threads,
         }
 
     @app.get("/metrics", response_class=PlainTextResponse)

@@ -32,6 +32,7 @@ class Query:
 class Engine:
     def __init__(self, bundle: Bundle, backend: Backend, settings: Settings, metrics: Metrics) -> None:
         self.bundle, self.backend, self.settings, self.metrics = bundle, backend, settings, metrics
+        self.threads = settings.threads  # the intra-op thread count in use (set by load_engine)
         self.zscore_weight = float(bundle.manifest.get("fusion", {}).get("zscore_weight", 0.5))
         self.default_fusion = "zscore" if backend.has_reranker else "retrieval"
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="coreply-infer")
@@ -143,7 +144,9 @@ def load_engine(settings: Settings, metrics: Metrics) -> Engine:
     bundle = load_bundle(settings.bundle)
     threads = settings.threads or fastest_threads(bundle, settings)
     backend = make_backend(bundle, settings.backend, threads, settings.device)
-    return Engine(bundle, backend, settings, metrics)
+    engine = Engine(bundle, backend, settings, metrics)
+    engine.threads = threads
+    return engine
 
 
 def fastest_threads(bundle: Bundle, settings: Settings) -> int:

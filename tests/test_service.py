@@ -42,6 +42,7 @@ def test_ready_and_health(client):
     assert client.get("/healthz").json() == {"status": "ok"}
     ready = client.get("/readyz").json()
     assert ready["status"] == "ready" and ready["reranker"] and ready["backend"] == "onnx"
+    assert ready["threads"] == 1 and ready["responses"] == 13
 
 
 def test_respond_ranks_by_fused_score(client):
@@ -131,6 +132,18 @@ def test_bad_requests_name_the_field(client, body, field):
     response = post(client, **body)
     assert response.status_code == 422, response.text
     assert response.json()["error"].startswith(f"{field}:"), response.json()
+
+
+def test_body_limit_n_ok_n_plus_one_refused(client):
+    body = json.dumps({"context": ["hi"]}).encode()
+    exactly = body[:-1] + b" " * (2048 - len(body)) + b"}"  # JSON padded with spaces to the limit
+    json_type = {"content-type": "application/json"}
+    assert (
+        len(exactly) == 2048
+        and client.post("/respond", content=exactly, headers=json_type).status_code == 200
+    )
+    over = exactly[:-1] + b" }"
+    assert len(over) == 2049 and client.post("/respond", content=over, headers=json_type).status_code == 413
 
 
 def test_body_limits(client):
