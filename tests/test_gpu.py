@@ -47,3 +47,30 @@ def test_core_step_with_bf16_autocast_on_cuda(tmp_path, tiny_model_dir, toy_pair
     losses = trainer.train_step(0, 0)
     assert all(torch.isfinite(torch.tensor(v)) for v in losses.values())
     assert trainer.device.type == "cuda"
+
+
+def test_bundle_built_on_cuda_serves_like_cpu(tmp_path, tiny_core, toy_pairs):
+    """Pool encoded on CUDA (bf16 autocast) and served on CUDA ranks like the CPU reference."""
+    import numpy as np
+    from conftest import toy_pool
+    from fastapi.testclient import TestClient
+
+    from coreply.bundle import load_bundle
+    from index_builder.build import build_bundle
+    from service.app import create_app
+    from service.settings import Settings
+
+    build = dict(bi=str(tiny_core / "bi"), cross=str(tiny_core / "cross"), onnx="none", progress=False)
+    build_bundle(tmp_path / "gpu", toy_pool(), device="cuda", **build)
+    build_bundle(tmp_path / "cpu", toy_pool(), device="cpu", **build)
+    gpu, cpu = load_bundle(tmp_path / "gpu"), load_bundle(tmp_path / "cpu")
+    assert gpu.manifest["encoder"] == "torch-cuda"
+    vectors = [b.index.reconstruct_n(0, b.index.ntotal) for b in (gpu, cpu)]
+    np.testing.assert_allclose(vectors[0], vectors[1], atol=0.05)  # bf16 vs fp32
+    question = toy_pairs[0].context
+    answers = []
+    for name, device in (("gpu", "cuda"), ("cpu", "cpu")):
+        with TestClient(create_app(Settings(bundle=tmp_path / name, threads=1, device=device))) as c:
+            body = c.post("/respond", json={"context": list(question), "fusion": "sum"}).json()
+            answers.append(body["responses"][0]["text"])
+    assert answers[0] == answers[1] == toy_pairs[0].response
