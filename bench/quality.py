@@ -1,0 +1,56 @@
+"""Retrieval quality of a bundle as served (its own encoder graph, index and echo filter), on protocol B:
+the first N chitchat test pairs against the bundle's pool. Compares the bundle's backend (int8 ONNX for
+the default bundle) with the PyTorch fp32 reference on the same pool and index type.
+
+    python bench/quality.py --bundle artifacts/default-bundle --limit 2000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from coreply.bundle import load_bundle, make_backend
+from coreply.corpus import load_chitchat
+from coreply.fusion import drop_echoes
+from coreply.text import normalize
+from index_builder.build import encode_pool
+from index_builder.faiss_index import make_index
+from training.metrics import summarize
+
+
+def ranks(backend, index, bundle, pairs, depth: int = 100) -> list[float]:
+    queries = backend.encode_contexts([p.context for p in pairs])  # [B, D]
+    scores, ids = index.search(queries, depth + max(len(p.context) for p in pairs))
+    out = []
+    for pair, row_ids, row_scores in zip(pairs, ids, scores, strict=True):
+        kept, _ = drop_echoes(pair.context, row_ids, row_scores, bundle.keys)
+        gold = normalize(pair.response)
+        hits = [r for r, i in enumerate(kept[:depth]) if bundle.keys[i] == gold]
+        out.append(float(hits[0] + 1) if hits else float("inf"))
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bundle", required=True)
+    p.add_argument("--limit", type=int, default=2000)
+    p.add_argument("--reference", action="store_true", help="also re-encode the pool with PyTorch fp32")
+    args = p.parse_args()
+    bundle = load_bundle(args.bundle)
+    pairs = load_chitchat()["test"][: args.limit]
+    served = make_backend(bundle, threads=2)
+    result = {f"served ({bundle.manifest['encoder']})": summarize(ranks(served, bundle.index, bundle, pairs))}
+    if args.reference:
+        torch_backend = make_backend(bundle, "torch", threads=2)
+        vectors = encode_pool(torch_backend, bundle.texts)
+        index = make_index(vectors, bundle.manifest["index"]["factory"])
+        result["reference (torch fp32)"] = summarize(ranks(torch_backend, index, bundle, pairs))
+    print(json.dumps({"bundle": bundle.version, "pairs": len(pairs), "results": result}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
