@@ -42,6 +42,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pooling", choices=["cls", "mean"], default="mean")
     g.add_argument("--projection-dim", type=int, default=None)
     g.add_argument("--share-towers", action="store_true")
+    g.add_argument("--normalize", action="store_true", help="L2-normalise embeddings (cosine scores)")
+    g.add_argument(
+        "--score-scale", type=float, default=ModelConfig.score_scale, help="bi-encoder scores = scale * dot"
+    )
     g.add_argument("--max-context-tokens", type=int, default=ModelConfig.max_context_tokens)
     g.add_argument("--max-response-tokens", type=int, default=ModelConfig.max_response_tokens)
     g.add_argument("--max-turns", type=int, default=ModelConfig.max_turns)
@@ -54,6 +58,8 @@ def _model_config(args: argparse.Namespace) -> ModelConfig:
         pooling=args.pooling,
         projection_dim=args.projection_dim,
         share_towers=args.share_towers,
+        normalize=args.normalize,
+        score_scale=args.score_scale,
         max_context_tokens=args.max_context_tokens,
         max_response_tokens=args.max_response_tokens,
         max_turns=args.max_turns,

@@ -27,6 +27,8 @@ class ModelConfig:
     projection_dim: int | None = None  # optional linear projection after pooling (bi-encoder)
     normalize: bool = False  # L2-normalise embeddings (cosine); the papers use a plain dot product
     share_towers: bool = False  # one encoder for context and response (bi-encoder)
+    score_scale: float = 1.0  # context embeddings are multiplied by this: scores = scale * (ctx . resp);
+    # with normalize=True it is the inverse temperature that makes cosine scores trainable by softmax
     max_context_tokens: int = 96
     max_response_tokens: int = 32
     max_turns: int = 5
@@ -39,6 +41,8 @@ class ModelConfig:
             raise ValueError("max_context_tokens must be >= 4 and max_response_tokens >= 3")
         if self.max_turns < 1:
             raise ValueError("max_turns must be >= 1")
+        if self.score_scale <= 0:
+            raise ValueError("score_scale must be > 0")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -143,8 +143,9 @@ class BiEncoder(_Encoder):
         return nn.functional.normalize(emb, dim=-1) if self.config.normalize else emb
 
     def encode_context(self, batch: Batch) -> torch.Tensor:
-        """-> [N, D]"""
-        return self._embed(self.context_tower, self.context_projection, batch)
+        """-> [N, D], times ``score_scale`` (ranking is unchanged; training logits are scaled)"""
+        emb = self._embed(self.context_tower, self.context_projection, batch)
+        return emb * self.config.score_scale if self.config.score_scale != 1.0 else emb
 
     def encode_response(self, batch: Batch) -> torch.Tensor:
         """-> [N, D]"""

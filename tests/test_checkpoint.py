@@ -104,3 +104,18 @@ def test_a_failed_save_keeps_the_previous_checkpoint(tmp_path, tiny_model_dir, m
         save_checkpoint(model, tmp_path / "c")
     assert read_meta(tmp_path / "c")["content_hash"] == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
+
+
+def test_score_scale_scales_context_embeddings_and_survives_a_round_trip(tmp_path, tiny_model_dir):
+    config = ModelConfig(base_model=str(tiny_model_dir), share_towers=True, normalize=True, score_scale=20.0)
+    bi = BiEncoder.from_pretrained(config).eval()
+    contexts, responses = [["hello", "how are you ?"]], ["i am fine", "pizza"]
+    norms = bi.embed_contexts(contexts).norm(dim=-1)
+    assert torch.allclose(norms, torch.full_like(norms, 20.0), atol=1e-4)
+    assert torch.allclose(bi.embed_responses(responses).norm(dim=-1), torch.ones(2), atol=1e-4)
+    save_checkpoint(bi, tmp_path / "bi")
+    loaded = load_checkpoint(tmp_path / "bi", expect="bi")
+    assert loaded.config.score_scale == 20.0
+    assert torch.allclose(loaded.embed_contexts(contexts), bi.embed_contexts(contexts), atol=1e-5)
+    with pytest.raises(ValueError, match="score_scale"):
+        ModelConfig(score_scale=0.0)
