@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 import numpy as np
 
@@ -30,11 +30,18 @@ def fuse(mode: str, retrieval: np.ndarray, rerank: np.ndarray, weight: float = 0
 
 
 def drop_blocked(
-    ids: np.ndarray, scores: np.ndarray, pool_keys: Sequence[str], blocked_texts: Iterable[str]
+    ids: np.ndarray,
+    scores: np.ndarray,
+    pool_keys: Sequence[str],
+    blocked_texts: Iterable[str],
+    blocked_ids: Collection[int] = (),
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Remove FAISS padding (-1) and pool entries whose normalised text is in ``blocked_texts``."""
+    """Remove FAISS padding (-1), the ids in ``blocked_ids`` and pool entries whose normalised text is in
+    ``blocked_texts``."""
     blocked = {normalize(t) for t in blocked_texts}
-    keep = [j for j, i in enumerate(ids) if i >= 0 and pool_keys[i] not in blocked]
+    keep = [
+        j for j, i in enumerate(ids) if i >= 0 and int(i) not in blocked_ids and pool_keys[i] not in blocked
+    ]
     return ids[keep], scores[keep]
 
 

@@ -30,9 +30,11 @@ class Query:
 
 
 class Engine:
-    def __init__(self, bundle: Bundle, backend: Backend, settings: Settings, metrics: Metrics) -> None:
+    def __init__(
+        self, bundle: Bundle, backend: Backend, threads: int, settings: Settings, metrics: Metrics
+    ) -> None:
         self.bundle, self.backend, self.settings, self.metrics = bundle, backend, settings, metrics
-        self.threads = settings.threads  # the intra-op thread count in use (set by load_engine)
+        self.threads = threads  # intra-op threads of the backend
         self.zscore_weight = float(bundle.manifest.get("fusion", {}).get("zscore_weight", 0.5))
         self.default_fusion = "zscore" if backend.has_reranker else "retrieval"
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="coreply-infer")
@@ -93,10 +95,7 @@ class Engine:
         k = query.n_candidates + len(blocked) + len(query.exclude_ids)
         done = await self.retriever.submit((list(query.context), k))
         self._account(done, timings, "retrieve")
-        ids, retrieval = drop_blocked(*done.result, self.bundle.keys, blocked)
-        if query.exclude_ids:
-            keep = [j for j, i in enumerate(ids) if int(i) not in query.exclude_ids]
-            ids, retrieval = ids[keep], retrieval[keep]
+        ids, retrieval = drop_blocked(*done.result, self.bundle.keys, blocked, query.exclude_ids)
         ids, retrieval = ids[: query.n_candidates], retrieval[: query.n_candidates].astype("float64")
         rerank: np.ndarray | None = None
         if query.fusion != "retrieval" and len(ids):
@@ -142,24 +141,26 @@ def load_engine(settings: Settings, metrics: Metrics) -> Engine:
     from coreply.bundle import load_bundle
 
     bundle = load_bundle(settings.bundle)
-    threads = settings.threads or fastest_threads(bundle, settings)
-    backend = make_backend(bundle, settings.backend, threads, settings.device)
-    engine = Engine(bundle, backend, settings, metrics)
-    engine.threads = threads
-    return engine
+    if settings.threads:
+        backend, threads = (
+            make_backend(bundle, settings.backend, settings.threads, settings.device),
+            settings.threads,
+        )
+    else:
+        backend, threads = fastest_backend(bundle, settings)
+    return Engine(bundle, backend, threads, settings, metrics)
 
 
-def fastest_threads(bundle: Bundle, settings: Settings) -> int:
-    """Time a typical request's model work with 1 thread and with every core; keep the faster."""
+def fastest_backend(bundle: Bundle, settings: Settings) -> tuple[Backend, int]:
+    """Time a typical request's model work with 1 thread and with every core; keep the faster backend."""
     import os
 
     cores = os.cpu_count() or 1
-    if cores == 1 or settings.device != "cpu":
-        return 1
+    candidates = [1] if cores == 1 or settings.device != "cpu" else [1, cores]
     context = ["hi! how was your weekend?", "great, i went hiking in the hills. and you?"]
     texts = bundle.texts[: settings.default_candidates]
-    best: tuple[float, int] = (float("inf"), 1)
-    for threads in (1, cores):
+    timed = []
+    for threads in candidates:
         backend = make_backend(bundle, settings.backend, threads, settings.device)
         runs = []
         for _ in range(4):
@@ -168,5 +169,9 @@ def fastest_threads(bundle: Bundle, settings: Settings) -> int:
             if backend.has_reranker:
                 backend.score_pairs([context] * len(texts), texts)
             runs.append(time.perf_counter() - t)
-        best = min(best, (float(np.median(runs[1:])), threads))
-    return best[1]
+        timed.append((float(np.median(runs[1:])), threads, backend))
+    _, threads, backend = min(timed, key=lambda t: t[0])
+    import torch
+
+    torch.set_num_threads(threads)  # process-wide, and make_backend set it for the last candidate tried
+    return backend, threads

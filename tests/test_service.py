@@ -185,6 +185,15 @@ def test_retrieval_only_bundle_refuses_rerank(tmp_path, tiny_core):
         assert refused.status_code == 422 and "needs a reranker" in refused.json()["error"]
 
 
+def test_thread_count_is_measured_when_not_set(tiny_bundle):
+    import os
+
+    with TestClient(create_app(Settings(bundle=tiny_bundle, threads=0))) as c:
+        ready = c.get("/readyz").json()
+        assert ready["threads"] in {1, os.cpu_count()}
+        assert c.post("/respond", json={"context": ["hello"]}).status_code == 200
+
+
 def test_fusion_math():
     r, g = np.array([1.0, 2.0, 3.0]), np.array([3.0, 0.0, 0.0])
     assert fuse("sum", r, g).tolist() == [4.0, 2.0, 3.0]
@@ -195,6 +204,8 @@ def test_fusion_math():
         np.array([2, -1, 0, 1]), np.array([4.0, 3.0, 2.0, 1.0]), ["a", "b", "c"], ["C "]
     )
     assert ids.tolist() == [0, 1] and scores.tolist() == [2.0, 1.0]
+    ids, _ = drop_blocked(np.array([2, 0, 1]), np.array([3.0, 2.0, 1.0]), ["a", "b", "c"], [], {2, 1})
+    assert ids.tolist() == [0]
 
 
 # ---------------------------------------------------------------------------------------- batching
