@@ -1,6 +1,10 @@
 """Checkpoint format: a directory with ``model.safetensors``, ``tokenizer/`` and ``checkpoint.json``
 (kind, model config, backbone config, sha256 of every file, and a content hash over them). No pickle.
-Writes are atomic (temporary directory renamed into place); loads verify every hash first."""
+Writes are atomic (temporary directory renamed into place); loads verify every hash first.
+
+A model trained with adapters (``coreply.adapters``) is saved compactly instead: ``adapter.safetensors``
+holds only what training changed, and ``checkpoint.json`` names the base model's weights by sha256;
+loading rebuilds the base, verifies it, applies the adapters and merges them into plain weights."""
 
 from __future__ import annotations
 
@@ -17,13 +21,15 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoTokenizer
 
+from coreply.adapters import add_lora, lora_settings, merge_lora, trainable_state
 from coreply.config import ZERO_SHOT, ModelConfig
-from coreply.models import BiEncoder, CrossEncoder
+from coreply.models import BiEncoder, CrossEncoder, resolve_base_model
 from coreply.tokenization import DialogueTokenizer
 
 FORMAT = "coreply-checkpoint/1"
 META = "checkpoint.json"
 WEIGHTS = "model.safetensors"
+ADAPTER = "adapter.safetensors"
 KINDS: dict[str, type[BiEncoder] | type[CrossEncoder]] = {"bi": BiEncoder, "cross": CrossEncoder}
 
 
@@ -62,12 +68,13 @@ def file_mismatch(root: Path, recorded: dict[str, str], meta: str = META) -> str
     return None
 
 
-def save_weights(model: nn.Module, path: Path) -> None:
-    """Deterministic safetensors: tensors that alias another (shared towers) are stored once, under the
-    first name in sorted order, so equal weights always give equal bytes (and equal hashes)."""
+def save_weights(model: nn.Module, path: Path, state: dict[str, torch.Tensor] | None = None) -> None:
+    """Deterministic safetensors of ``state`` (default: the whole state dict): tensors that alias another
+    (shared towers) are stored once, under the first name in sorted order, so equal weights always give
+    equal bytes (and equal hashes)."""
     seen: set[tuple[int, int]] = set()
     tensors = {}
-    for name, tensor in sorted(model.state_dict().items()):
+    for name, tensor in sorted((model.state_dict() if state is None else state).items()):
         key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
         if key not in seen:
             seen.add(key)
@@ -75,13 +82,15 @@ def save_weights(model: nn.Module, path: Path) -> None:
     save_file(tensors, str(path))
 
 
-def load_weights(model: nn.Module, path: Path) -> None:
-    """Load :func:`save_weights` output; every parameter must be stored or alias a stored one."""
+def load_weights(model: nn.Module, path: Path, expected: dict[str, torch.Tensor] | None = None) -> None:
+    """Load :func:`save_weights` output; every tensor of ``expected`` (default: the state dict) must be
+    stored or alias a stored one, and nothing else may be stored."""
     tensors = load_file(str(path))
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    _, unexpected = model.load_state_dict(tensors, strict=False)
     params = model.state_dict(keep_vars=True)
     stored = {id(params[name]) for name in tensors if name in params}
-    really_missing = [k for k in missing if id(params[k]) not in stored]
+    wanted = params if expected is None else expected
+    really_missing = [k for k in wanted if k not in tensors and id(params[k]) not in stored]
     if really_missing or unexpected:
         raise CheckpointError(
             f"{path}: weights do not fit the config (missing={really_missing}, unexpected={unexpected})"
@@ -119,8 +128,13 @@ def save_checkpoint(
     tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex}.tmp")
     tmp.mkdir()
     try:
-        save_weights(model, tmp / WEIGHTS)
-        model.tokenizer.hf.save_pretrained(str(tmp / "tokenizer"))
+        adapter = lora_settings(model)
+        if adapter is None:
+            save_weights(model, tmp / WEIGHTS)
+            model.tokenizer.hf.save_pretrained(str(tmp / "tokenizer"))
+        else:  # compact: the base model supplies the frozen weights and the tokenizer
+            save_weights(model, tmp / ADAPTER, trainable_state(model))
+            adapter["base_sha256"] = sha256_file(base_weights(model.config))
         files = hash_tree(tmp)
         meta = {
             "format": FORMAT,
@@ -131,6 +145,8 @@ def save_checkpoint(
             "content_hash": content_hash(files),
             "extra": extra or {},
         }
+        if adapter is not None:
+            meta["adapter"] = adapter
         write_json_atomic(tmp / META, meta)
         replace_dir(tmp, final)
     except BaseException:
@@ -162,18 +178,47 @@ def read_meta(path: str | Path, verify: bool = True) -> dict[str, Any]:
     return meta
 
 
+def base_weights(config: ModelConfig) -> Path:
+    """The safetensors file of the base model an adapter checkpoint builds on."""
+    path = resolve_base_model(config.base_model) / "model.safetensors"
+    if not path.is_file():
+        raise CheckpointError(f"base model {config.base_model!r} has no model.safetensors for adapters")
+    return path
+
+
+def _load_adapter(root: Path, meta: dict[str, Any], config: ModelConfig) -> BiEncoder | CrossEncoder:
+    """Base model (verified by sha256) + the stored adapters, not yet merged."""
+    adapter = meta["adapter"]
+    base = base_weights(config)
+    if sha256_file(base) != adapter.get("base_sha256"):
+        raise CheckpointError(
+            f"{root}: its adapters were trained on a different {config.base_model!r} base model than "
+            f"{base} (sha256 mismatch); install the base model the checkpoint names"
+        )
+    model = KINDS[meta["kind"]].from_pretrained(config)
+    add_lora(model, int(adapter["rank"]), float(adapter["alpha"]))
+    load_weights(model, root / ADAPTER, trainable_state(model))
+    return model
+
+
 def load_checkpoint(
-    path: str | Path, device: str | torch.device = "cpu", expect: str | None = None
+    path: str | Path, device: str | torch.device = "cpu", expect: str | None = None, merge: bool = True
 ) -> BiEncoder | CrossEncoder:
-    """Load a verified checkpoint in eval mode; ``expect`` ('bi' or 'cross') refuses the other kind."""
+    """Load a verified checkpoint in eval mode; ``expect`` ('bi' or 'cross') refuses the other kind.
+    Adapters are merged into plain weights unless ``merge`` is False (to resume training them)."""
     root = Path(path)
     meta = read_meta(root)
     if expect is not None and meta["kind"] != expect:
         raise CheckpointError(f"{root}: is a {meta['kind']}-encoder checkpoint, expected a {expect}-encoder")
     config = ModelConfig.from_dict(meta["model_config"])
-    tokenizer = AutoTokenizer.from_pretrained(str(root / "tokenizer"))
-    model = KINDS[meta["kind"]].from_backbone_config(config, meta["backbone_config"], tokenizer)
-    load_weights(model, root / WEIGHTS)
+    if "adapter" in meta:
+        model = _load_adapter(root, meta, config)
+        if merge:
+            merge_lora(model)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(str(root / "tokenizer"))
+        model = KINDS[meta["kind"]].from_backbone_config(config, meta["backbone_config"], tokenizer)
+        load_weights(model, root / WEIGHTS)
     model.content_hash = meta["content_hash"]
     return model.to(device).eval()
 
@@ -189,5 +234,6 @@ def load_bi(spec: str | Path, device: str | torch.device = "cpu") -> BiEncoder:
 def load_dialogue_tokenizer(path: str | Path) -> DialogueTokenizer:
     """The input formatting of a checkpoint without loading its weights (for ONNX serving)."""
     meta = read_meta(path, verify=False)
-    tokenizer = AutoTokenizer.from_pretrained(str(Path(path) / "tokenizer"))
-    return DialogueTokenizer(tokenizer, ModelConfig.from_dict(meta["model_config"]))
+    config = ModelConfig.from_dict(meta["model_config"])
+    source = resolve_base_model(config.base_model) if "adapter" in meta else Path(path) / "tokenizer"
+    return DialogueTokenizer(AutoTokenizer.from_pretrained(str(source)), config)

@@ -102,11 +102,18 @@ def test_independent_and_distill_modes(tmp_path, tiny_model_dir, toy_pairs):
     assert "bi_kl" in records(tmp_path / "distill")[1]
 
 
+@pytest.mark.parametrize("lora_rank", [0, 4])
 def test_resume_continues_exactly_where_an_interrupted_run_stopped(
-    tmp_path, tiny_model_dir, toy_pairs, monkeypatch
+    tmp_path, tiny_model_dir, toy_pairs, monkeypatch, lora_rank
 ):
     # The tiny model keeps BERT's dropout here, so this also checks that the RNG state is restored.
-    cfg = dict(mode="core", max_steps=6, eval_every=3, model=ModelConfig(base_model=str(tiny_model_dir)))
+    cfg = dict(
+        mode="core",
+        max_steps=6,
+        eval_every=3,
+        lora_rank=lora_rank,
+        model=ModelConfig(base_model=str(tiny_model_dir)),
+    )
     straight = Trainer(
         config(tmp_path, tiny_model_dir, output_dir=str(tmp_path / "a"), **cfg),
         toy_pairs,
@@ -158,6 +165,8 @@ def test_config_errors():
         TrainConfig(num_negatives=2, hard_negatives=3)
     with pytest.raises(ValueError, match="mode must be one of"):
         TrainConfig(mode="adversarial")
+    with pytest.raises(ValueError, match="cannot start from"):
+        TrainConfig(lora_rank=8, init_bi="runs/x/bi")
 
 
 def test_negative_sampler_never_returns_the_positive():

@@ -21,6 +21,9 @@ class TrainConfig:
     teacher: str | None = None  # cross-encoder checkpoint for `distill`
     init_bi: str | None = None  # start from these checkpoints instead of the base model
     init_cross: str | None = None
+    lora_rank: int = 0  # > 0: train low-rank adapters (+ biases, norms, heads) instead of every weight;
+    # checkpoints then hold only those (a few MB) and name the base model by hash (coreply.adapters)
+    lora_alpha: float = 16.0
     model: ModelConfig = field(default_factory=ModelConfig)
     num_negatives: int = 32  # delta_r
     batch_size: int = 8  # contexts per step and process
@@ -55,6 +58,10 @@ class TrainConfig:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.mode == "distill" and not self.teacher:
             raise ValueError("mode 'distill' needs --teacher (a trained cross-encoder checkpoint)")
+        if self.lora_rank < 0:
+            raise ValueError("lora_rank must be >= 0 (0 = train every weight)")
+        if self.lora_rank and (self.init_bi or self.init_cross):
+            raise ValueError("lora_rank adapts the base model; it cannot start from --init-bi/--init-cross")
         if self.hard_negatives > self.num_negatives:
             raise ValueError("hard_negatives cannot exceed num_negatives")
         if self.num_negatives < 1 or self.batch_size < 1 or self.grad_accum < 1:

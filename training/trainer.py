@@ -27,6 +27,7 @@ from torch import distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+from coreply.adapters import add_lora
 from coreply.checkpoint import load_checkpoint, save_checkpoint, write_json_atomic
 from coreply.corpus import Pair
 from coreply.device import autocast, resolve_device
@@ -97,7 +98,8 @@ class Trainer:
         for name, model in (("bi", self.bi), ("cross", self.cross)):
             if model is None:
                 continue
-            opt = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            opt = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=config.weight_decay)
             self.optimizers[name] = opt
             self.schedulers[name] = _scheduler(opt, self.total_steps, config.warmup_ratio)
             self.wrapped[name] = DistributedDataParallel(model) if self.world > 1 else model
@@ -140,6 +142,10 @@ class Trainer:
                 else CrossEncoder.from_pretrained(cfg.model)
             )
             cross = cross.to(self.device).train()
+        if cfg.lora_rank:
+            for model in (bi, cross):
+                if model is not None:
+                    add_lora(model, cfg.lora_rank, cfg.lora_alpha)
         if cfg.mode == "distill":
             teacher = load_checkpoint(cfg.teacher, expect="cross").to(self.device).eval()
             teacher.requires_grad_(False)
@@ -347,7 +353,7 @@ class Trainer:
             return False
         for name, model in (("bi", self.bi), ("cross", self.cross)):
             if model is not None:
-                saved = load_checkpoint(state_dir / name, expect=name)
+                saved = load_checkpoint(state_dir / name, expect=name, merge=False)
                 model.load_state_dict(saved.state_dict())
         state = torch.load(state_dir / "trainer.pt", map_location=self.device, weights_only=True)
         for k, o in self.optimizers.items():

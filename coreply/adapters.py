@@ -1,0 +1,80 @@
+"""Low-rank adapters (LoRA) for compact fine-tuning: every linear layer of the transformer backbone(s)
+gets ``W' = W + (B @ A) * alpha / rank`` with ``W`` frozen; biases, LayerNorms and the heads stay
+trainable. What training changes is then small enough to ship in git (a few MB instead of 90 MB), and
+a checkpoint stores only that (see ``coreply.checkpoint``): the base weights come from the base model.
+
+The adapters live as ``torch.nn.utils.parametrize`` parametrizations, so the model classes are
+unchanged; :func:`merge_lora` folds them into plain weights for serving and export.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+ADAPTED = "weight"
+
+
+class LowRankDelta(nn.Module):
+    """Parametrization ``W -> W + (lora_B @ lora_A) * scale``; B starts at zero, so step 0 is the base."""
+
+    def __init__(self, out_features: int, in_features: int, rank: int, alpha: float) -> None:
+        super().__init__()
+        self.scale = alpha / rank
+        self.lora_A = nn.Parameter(torch.empty(rank, in_features))  # [r, in]
+        self.lora_B = nn.Parameter(torch.zeros(out_features, rank))  # [out, r]
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:  # [out, in] -> [out, in]
+        return weight + (self.lora_B @ self.lora_A) * self.scale
+
+
+def backbones(model: nn.Module) -> list[nn.Module]:
+    """The pretrained transformers of a coreply model (a shared tower counted once)."""
+    found = []
+    for name in ("context_tower", "response_tower", "backbone"):
+        module = getattr(model, name, None)
+        if module is not None and all(module is not m for m in found):
+            found.append(module)
+    return found
+
+
+def add_lora(model: nn.Module, rank: int, alpha: float) -> None:
+    """Freeze the backbone's linear weights and give each a rank-``rank`` adapter (in place)."""
+    if rank < 1:
+        raise ValueError(f"LoRA rank must be >= 1, got {rank}")
+    for backbone in backbones(model):
+        for module in backbone.modules():
+            if isinstance(module, nn.Linear) and not parametrize.is_parametrized(module, ADAPTED):
+                module.weight.requires_grad_(False)
+                delta = LowRankDelta(module.out_features, module.in_features, rank, alpha)
+                parametrize.register_parametrization(module, ADAPTED, delta.to(module.weight.device))
+    # embeddings are frozen too: only adapters, biases, norms and what sits outside the backbones train
+    for backbone in backbones(model):
+        for name, param in backbone.named_parameters():
+            if "embeddings" in name and not name.endswith(("LayerNorm.weight", "LayerNorm.bias")):
+                param.requires_grad_(False)
+
+
+def lora_settings(model: nn.Module) -> dict[str, float] | None:
+    """``{"rank": r, "alpha": a}`` of the model's adapters, or None if it has none."""
+    for module in model.modules():
+        if isinstance(module, LowRankDelta):
+            rank = module.lora_A.shape[0]
+            return {"rank": rank, "alpha": module.scale * rank}
+    return None
+
+
+def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors training changed: adapter factors and every parameter that still requires grad."""
+    return {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def merge_lora(model: nn.Module) -> None:
+    """Fold every adapter into its weight (in place): the model becomes a plain one again."""
+    for module in list(model.modules()):
+        if parametrize.is_parametrized(module, ADAPTED):
+            parametrize.remove_parametrizations(module, ADAPTED, leave_parametrized=True)

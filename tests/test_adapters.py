@@ -1,0 +1,109 @@
+"""Low-rank adapters: compact checkpoints that rebuild exactly the trained model from the base."""
+
+import json
+
+import pytest
+import torch
+from tiny import write_tiny_model
+
+from coreply.adapters import add_lora, lora_settings, merge_lora, trainable_state
+from coreply.checkpoint import CheckpointError, load_checkpoint, load_dialogue_tokenizer, save_checkpoint
+from coreply.config import ModelConfig
+from coreply.models import BiEncoder, CrossEncoder
+from training.config import TrainConfig
+from training.trainer import Trainer
+
+CONTEXTS = [["hello", "how are you ?"], ["what is your favorite food ?"]]
+RESPONSES = ["i am fine", "pizza", "i like music"]
+
+
+def bi_scores(model):
+    return model.embed_contexts(CONTEXTS) @ model.embed_responses(RESPONSES).T
+
+
+def perturbed_bi(tiny_model_dir, **options) -> BiEncoder:
+    """A bi-encoder with adapters whose factors and biases are no longer at their start values."""
+    torch.manual_seed(0)
+    model = BiEncoder.from_pretrained(ModelConfig(base_model=str(tiny_model_dir), **options)).eval()
+    add_lora(model, rank=4, alpha=8.0)
+    with torch.no_grad():
+        for tensor in trainable_state(model).values():
+            tensor.add_(torch.randn_like(tensor) * 0.05)
+    return model
+
+
+def test_adapters_start_at_the_base_model_and_train_only_small_tensors(tiny_model_dir):
+    model = BiEncoder.from_pretrained(ModelConfig(base_model=str(tiny_model_dir))).eval()
+    before = bi_scores(model)
+    add_lora(model, rank=4, alpha=8.0)
+    assert torch.equal(bi_scores(model), before)  # B = 0 at the start
+    names = list(trainable_state(model))
+    assert names and all("lora_" in n or n.endswith("bias") or "LayerNorm" in n for n in names), names
+    assert not any("word_embeddings" in n for n in names)
+    assert lora_settings(model) == {"rank": 4, "alpha": 8.0}
+
+
+@pytest.mark.parametrize("options", [{}, {"share_towers": True, "normalize": True}])
+def test_adapter_checkpoint_is_compact_and_loads_as_the_merged_model(tmp_path, tiny_model_dir, options):
+    model = perturbed_bi(tiny_model_dir, **options)
+    expected = bi_scores(model)
+    save_checkpoint(model, tmp_path / "bi")
+    files = json.loads((tmp_path / "bi" / "checkpoint.json").read_text())["files"]
+    assert set(files) == {"adapter.safetensors"}  # no base weights, no tokenizer copy
+    loaded = load_checkpoint(tmp_path / "bi", expect="bi")
+    assert lora_settings(loaded) is None  # merged into plain weights
+    assert torch.allclose(bi_scores(loaded), expected, atol=1e-5)
+    assert load_dialogue_tokenizer(tmp_path / "bi").contexts(CONTEXTS).input_ids.shape[0] == 2
+    merge_lora(model)
+    assert torch.allclose(bi_scores(model), expected, atol=1e-5)
+
+
+def test_adapter_checkpoint_refuses_a_different_base_model(tmp_path, tiny_model_dir):
+    save_checkpoint(perturbed_bi(tiny_model_dir), tmp_path / "bi")
+    other = write_tiny_model(tmp_path / "other-base", seed=1)
+    meta_path = tmp_path / "bi" / "checkpoint.json"
+    meta = json.loads(meta_path.read_text())
+    meta["model_config"]["base_model"] = str(other)
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=r"different .* base model"):
+        load_checkpoint(tmp_path / "bi")
+
+
+def test_core_with_adapters_learns_and_saves_compact_checkpoints(tmp_path, tiny_model_dir, toy_pairs):
+    cfg = TrainConfig(
+        output_dir=str(tmp_path / "run"),
+        model=ModelConfig(base_model=str(tiny_model_dir), dropout=0.0),
+        mode="core",
+        lora_rank=4,
+        num_negatives=3,
+        batch_size=8,
+        max_steps=40,
+        eval_every=20,
+        valid_size=16,
+        valid_candidates=4,
+        lr=1e-2,
+        device="cpu",
+        log_every=20,
+    )
+    trainer = Trainer(cfg, toy_pairs, toy_pairs[:16], sorted({p.response for p in toy_pairs}))
+    summary = trainer.fit()
+    start = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])["valid"]
+    assert summary["best_valid_hits@1"]["bi"] > start["bi"]["hits@1"]
+    for name, kind in (("bi", BiEncoder), ("cross", CrossEncoder)):
+        meta = json.loads((tmp_path / "run" / name / "checkpoint.json").read_text())
+        assert meta["adapter"]["rank"] == 4 and "model.safetensors" not in meta["files"]
+        assert isinstance(load_checkpoint(tmp_path / "run" / name, expect=name), kind)
+
+
+def test_a_bundle_serves_an_adapter_checkpoint_through_onnx(tmp_path, tiny_model_dir):
+    from conftest import toy_pool
+
+    from coreply.bundle import load_bundle, make_backend
+    from index_builder.build import build_bundle
+
+    model = perturbed_bi(tiny_model_dir, share_towers=True, normalize=True)
+    save_checkpoint(model, tmp_path / "bi")
+    build_bundle(tmp_path / "b", toy_pool(), bi=str(tmp_path / "bi"), onnx="fp32", progress=False)
+    backend = make_backend(load_bundle(tmp_path / "b"), backend="onnx")
+    onnx_scores = backend.encode_contexts(CONTEXTS) @ backend.encode_responses(RESPONSES).T
+    assert torch.allclose(torch.from_numpy(onnx_scores), bi_scores(model), atol=1e-4)
