@@ -72,7 +72,9 @@ class Server:
         self.process.wait(timeout=60)
 
 
-async def load(url: str, contexts: list[list[str]], n_r: int, concurrency: int) -> dict:
+async def load(
+    url: str, contexts: list[list[str]], n_r: int, concurrency: int, fusion: str = "rerank"
+) -> dict:
     """Send every context once with ``concurrency`` requests in flight; client-side latency per request."""
     latencies, stages, tops = [], [], []
     queue = list(enumerate(contexts))
@@ -81,7 +83,7 @@ async def load(url: str, contexts: list[list[str]], n_r: int, concurrency: int) 
     async def worker(client: httpx.AsyncClient) -> None:
         while queue:
             i, context = queue.pop(0)
-            body = {"context": context, "n_candidates": n_r, "fusion": "rerank"}
+            body = {"context": context, "n_candidates": n_r, "fusion": fusion}
             start = time.perf_counter()
             response = await client.post(url + "/respond", json=body)
             latencies.append(1000 * (time.perf_counter() - start))
@@ -160,14 +162,22 @@ def run_peer(peer: Peer, contexts: list[list[str]], n_r: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--bundle", required=True, help="a bundle with a reranker, built with --bi zero-shot")
+    p.add_argument("--bundle", required=True, help="for the peer: a bundle with a reranker, --bi zero-shot")
     p.add_argument("--n-r", type=int, nargs="+", default=[10, 20, 50, 100])
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--requests", type=int, default=60, help="requests per cell (distinct test contexts)")
     p.add_argument("--threads", type=int, default=0, help="server intra-op threads (0 = its own measurement)")
     p.add_argument("--no-peer", action="store_true")
+    p.add_argument(
+        "--fusion",
+        default="rerank",
+        choices=["rerank", "retrieval"],
+        help="retrieval: time recall only (bundles without a reranker, e.g. the default); no peer",
+    )
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    if args.fusion == "retrieval":
+        args.no_peer = True
 
     from coreply.corpus import load_chitchat
 
@@ -185,11 +195,11 @@ def main() -> None:
     try:
         ready = httpx.get(server.url + "/readyz").json()
         for n_r in args.n_r:
-            asyncio.run(load(server.url, warm, n_r, 1))  # warm the path for this n_r
+            asyncio.run(load(server.url, warm, n_r, 1, args.fusion))  # warm the path for this n_r
             if peer is not None:
                 run_peer(peer, warm, n_r)
             for concurrency in args.concurrency:
-                ours = asyncio.run(load(server.url, contexts, n_r, concurrency))
+                ours = asyncio.run(load(server.url, contexts, n_r, concurrency, args.fusion))
                 row = {"n_r": n_r, "concurrency": concurrency, "coreply": ours}
                 if peer is not None and concurrency == 1:  # the naive script serves one request at a time
                     theirs = run_peer(peer, contexts, n_r)

@@ -80,6 +80,7 @@ def save_weights(model: nn.Module, path: Path, state: dict[str, torch.Tensor] | 
             seen.add(key)
             tensors[name] = tensor.detach().cpu().contiguous()
     save_file(tensors, str(path))
+    path.chmod(0o644)  # safetensors writes 0600; a server running as another user must read it
 
 
 def load_weights(model: nn.Module, path: Path, expected: dict[str, torch.Tensor] | None = None) -> None:

@@ -1,0 +1,30 @@
+"""The CORE-trained retriever shipped in the repository for the default bundle."""
+
+import pytest
+
+from coreply.checkpoint import base_weights, read_meta, sha256_file
+from coreply.config import ModelConfig
+from index_builder.default import DEFAULT_BI
+
+
+def test_shipped_weights_verify_and_name_the_installed_base_model():
+    meta = read_meta(DEFAULT_BI)  # every file against its recorded sha256
+    assert meta["kind"] == "bi" and set(meta["files"]) == {"adapter.safetensors"}
+    config = ModelConfig.from_dict(meta["model_config"])
+    assert config.base_model == "default" and config.normalize and config.share_towers
+    assert meta["adapter"]["base_sha256"] == sha256_file(base_weights(config))
+    # the provenance the issue asks for travels with the weights
+    assert {"command", "data", "date", "test_metrics", "train_config"} <= set(meta["extra"])
+
+
+@pytest.mark.pretrained
+def test_shipped_weights_load_as_a_changed_but_close_relative_of_zero_shot():
+    from coreply.checkpoint import load_bi
+    from coreply.config import ZERO_SHOT
+
+    texts = ["yes, a dog named max.", "the weather is cold today.", "i love pizza"]
+    trained = load_bi(DEFAULT_BI).embed_responses(texts)
+    zero_shot = load_bi(ZERO_SHOT).embed_responses(texts)
+    agreement = (trained * zero_shot).sum(-1)  # both unit length: cosine per text
+    assert (agreement < 0.9999).all()  # the adapters were applied
+    assert (agreement > 0.9).all()  # and kept MiniLM's geometry
