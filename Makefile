@@ -28,8 +28,15 @@ test: install
 test-full: install
 	$(BIN)/python -m pytest -q -m ""
 
+# Code, Dockerfiles (hadolint), Prometheus config and alert rules (promtool, Debian package `prometheus`),
+# Kubernetes manifests against the API schemas (strict: unknown fields fail).
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/hadolint docker/Dockerfile docker/Dockerfile.gpu
+	@command -v promtool >/dev/null || { echo "promtool missing: apt-get install prometheus" >&2; exit 1; }
+	promtool check config docker/prometheus/prometheus.yml
+	promtool check rules docker/prometheus/alerts.yml
+	$(BIN)/kubernetes-validate --strict --quiet deploy/*.yaml
 
 results-cpu: install
 	PATH=$(abspath $(BIN)):$$PATH SCALE=cpu bash scripts/results_table.sh

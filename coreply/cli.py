@@ -327,7 +327,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         from coreply.bundle import read_manifest
 
         read_manifest(settings.bundle)
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level="info",
+        timeout_graceful_shutdown=settings.drain_seconds,
+    )
     return 0
 
 
