@@ -302,10 +302,8 @@ def _serve_parser(sub) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from coreply.bundle import MANIFEST
-    from service.app import create_app
+    from service.server import serve
     from service.settings import DEFAULT_BUNDLE, Settings
 
     overrides = {
@@ -327,13 +325,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         from coreply.bundle import read_manifest
 
         read_manifest(settings.bundle)
-    uvicorn.run(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        log_level="info",
-        timeout_graceful_shutdown=settings.drain_seconds,
-    )
+    serve(settings)
     return 0
 
 

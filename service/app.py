@@ -36,6 +36,12 @@ class Guard:
     def __init__(self, app: Callable, settings: Settings, metrics: Metrics) -> None:
         self.app, self.settings, self.metrics = app, settings, metrics
 
+    def begin_drain(self) -> None:
+        """Shutdown has begun: ``/readyz`` answers 503 from now on, so load balancers stop sending;
+        requests already admitted are still served while the server drains them."""
+        self.app.state.coreply["draining"] = True
+        self.metrics.ready.set(0)
+
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
@@ -106,7 +112,7 @@ def create_app(settings: Settings | None = None, engine_factory: Callable[..., E
     settings = settings or Settings()
     metrics = Metrics()
     request_model = respond_request_model(settings)
-    state: dict[str, Any] = {"engine": None, "ready": False}
+    state: dict[str, Any] = {"engine": None, "ready": False, "draining": False}
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -116,7 +122,7 @@ def create_app(settings: Settings | None = None, engine_factory: Callable[..., E
         metrics.bundle.labels(engine.bundle.version).set(1)
         await engine.respond(_query(request_model(context=["hello! how are you?"]), engine))  # warm-up
         state["ready"] = True
-        metrics.ready.set(1)
+        metrics.ready.set(0 if state["draining"] else 1)
         try:
             yield
         finally:
@@ -175,8 +181,10 @@ def create_app(settings: Settings | None = None, engine_factory: Callable[..., E
 
     @app.get("/readyz", responses={503: {"model": ErrorResponse}})
     async def readyz() -> Any:
-        """Readiness: the bundle is loaded, verified and warmed up."""
+        """Readiness: the bundle is loaded, verified and warmed up, and the server is not shutting down."""
         engine = state["engine"]
+        if state["draining"]:
+            return _error(503, "shutting down")
         if not state["ready"] or engine is None:
             return _error(503, "not ready")
         return {

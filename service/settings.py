@@ -39,8 +39,8 @@ class Settings(BaseSettings):
         0.0, ge=0, le=100, description="longest wait for more work (0: batch what queued up meanwhile)"
     )
     queue_max: int = Field(256, ge=1, description="requests waiting per stage before 503")
-    drain_seconds: float = Field(
-        20.0, ge=1, le=600, description="on SIGTERM, longest wait for in-flight requests to finish"
+    drain_seconds: int = Field(
+        20, ge=1, le=600, description="on SIGTERM, longest wait for in-flight requests to finish"
     )
 
     @model_validator(mode="after")

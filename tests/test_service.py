@@ -265,3 +265,14 @@ def test_batches_are_bounded_and_errors_reach_every_caller():
     assert isinstance(results[2], Overloaded)  # a queue of 2: the third waiting request is refused
     assert max(sizes) <= 2
     assert all(isinstance(f, RuntimeError) for f in failed)
+
+
+def test_draining_turns_readiness_off_at_once_but_serves_admitted_requests(tiny_bundle):
+    app = create_app(Settings(bundle=tiny_bundle, threads=1))
+    with TestClient(app) as c:
+        assert c.get("/readyz").status_code == 200
+        app.begin_drain()  # what the server does on SIGTERM, before it stops accepting
+        r = c.get("/readyz")
+        assert r.status_code == 503 and r.json()["error"] == "shutting down"
+        assert c.post("/respond", json={"context": ["hello"]}).status_code == 200
+        assert "coreply_ready 0.0" in c.get("/metrics").text

@@ -1,0 +1,36 @@
+"""Running the app under uvicorn with a graceful shutdown: on SIGTERM or SIGINT readiness turns 503 at
+once, uvicorn stops accepting connections and waits up to ``COREPLY_DRAIN_SECONDS`` for in-flight
+requests, then the lifespan stops the engine and the process exits."""
+
+from __future__ import annotations
+
+from types import FrameType
+
+import uvicorn
+
+from service.app import Guard, create_app
+from service.settings import Settings
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server that tells the app about the shutdown signal before it starts draining."""
+
+    def __init__(self, config: uvicorn.Config, app: Guard) -> None:
+        super().__init__(config)
+        self.coreply_app = app
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.coreply_app.begin_drain()
+        super().handle_exit(sig, frame)
+
+
+def serve(settings: Settings) -> None:
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level="info",
+        timeout_graceful_shutdown=settings.drain_seconds,
+    )
+    DrainingServer(config, app).run()
