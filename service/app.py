@@ -5,12 +5,13 @@ turns ready, and no input can produce a 500: validation errors are 422 naming th
 the limit 413, a full queue 503."""
 
 import asyncio
+import hmac
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -102,6 +103,29 @@ def _replay(body: bytes, receive: Callable) -> Callable:
     return replay
 
 
+class Unauthorized(Exception):
+    """No API key, or not one of the configured ones (401)."""
+
+
+def key_check(settings: Settings, route: str) -> Callable:
+    """A dependency that enforces the API keys on ``route`` unless keys are off or the route is public.
+    Every configured key is compared, in constant time, so timing reveals neither a key nor which one."""
+    keys = [k.encode() for k in settings.keys]
+
+    async def check(request: Request) -> None:
+        if not keys or route in settings.public:
+            return
+        auth = request.headers.get("authorization", "")
+        given = (auth[7:] if auth[:7].lower() == "bearer " else request.headers.get("x-api-key", "")).encode()
+        matched = False
+        for key in keys:
+            matched |= hmac.compare_digest(given, key)
+        if not matched:
+            raise Unauthorized()
+
+    return check
+
+
 def _field(loc: tuple | list) -> str:
     parts = [str(p) for p in loc if p != "body"]
     return ".".join(parts) or "body"
@@ -150,6 +174,10 @@ def create_app(settings: Settings | None = None, engine_factory: Callable[..., E
         first = detail[0] if detail else {"field": "body", "message": "invalid request"}
         return _error(422, f"{first['field']}: {first['message']}", detail)
 
+    @app.exception_handler(Unauthorized)
+    async def unauthorized(request: Request, exc: Unauthorized) -> JSONResponse:
+        return _error(401, "missing or invalid API key", **{"WWW-Authenticate": "Bearer"})
+
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:  # a bug: say so, keep serving
         return _error(500, f"internal error ({type(exc).__name__}); this is a bug, please report it")
@@ -158,10 +186,12 @@ def create_app(settings: Settings | None = None, engine_factory: Callable[..., E
         "/respond",
         response_model=RespondResponse,
         responses={
+            401: {"model": ErrorResponse},
             413: {"model": ErrorResponse},
             422: {"model": ErrorResponse},
             503: {"model": ErrorResponse},
         },
+        dependencies=[Depends(key_check(settings, "/respond"))],
     )
     async def respond(body: request_model) -> Any:  # type: ignore[valid-type]
         engine: Engine | None = state["engine"]
@@ -174,12 +204,16 @@ def create_app(settings: Settings | None = None, engine_factory: Callable[..., E
         except Overloaded as exc:
             return _error(503, f"overloaded: {exc}", **{"Retry-After": "1"})
 
-    @app.get("/healthz")
+    @app.get("/healthz", dependencies=[Depends(key_check(settings, "/healthz"))])
     async def healthz() -> dict:
         """Liveness: the process answers."""
         return {"status": "ok"}
 
-    @app.get("/readyz", responses={503: {"model": ErrorResponse}})
+    @app.get(
+        "/readyz",
+        responses={503: {"model": ErrorResponse}},
+        dependencies=[Depends(key_check(settings, "/readyz"))],
+    )
     async def readyz() -> Any:
         """Readiness: the bundle is loaded, verified and warmed up, and the server is not shutting down."""
         engine = state["engine"]
@@ -196,7 +230,9 @@ def create_app(settings: Settings | None = None, engine_factory: Callable[..., E
             "threads": engine.threads,
         }
 
-    @app.get("/metrics", response_class=PlainTextResponse)
+    @app.get(
+        "/metrics", response_class=PlainTextResponse, dependencies=[Depends(key_check(settings, "/metrics"))]
+    )
     async def prometheus_metrics() -> Response:
         """Prometheus text exposition format."""
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -43,6 +43,21 @@ class Settings(BaseSettings):
         20, ge=1, le=600, description="on SIGTERM, longest wait for in-flight requests to finish"
     )
 
+    # optional API keys: requests to non-public routes need one (`Authorization: Bearer <key>` or
+    # `X-API-Key: <key>`); several keys allow rotation
+    api_keys: str = Field("", repr=False, description="comma-separated API keys; empty = no auth")
+    public_routes: str = Field(
+        "/healthz,/readyz,/metrics", description="comma-separated routes that never need a key"
+    )
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return tuple(k.strip() for k in self.api_keys.split(",") if k.strip())
+
+    @property
+    def public(self) -> frozenset[str]:
+        return frozenset(r.strip() for r in self.public_routes.split(",") if r.strip())
+
     @model_validator(mode="after")
     def _consistent(self) -> Settings:
         if self.default_candidates > self.max_candidates:

@@ -276,3 +276,19 @@ def test_draining_turns_readiness_off_at_once_but_serves_admitted_requests(tiny_
         assert r.status_code == 503 and r.json()["error"] == "shutting down"
         assert c.post("/respond", json={"context": ["hello"]}).status_code == 200
         assert "coreply_ready 0.0" in c.get("/metrics").text
+
+
+def test_api_keys_guard_each_non_public_route(tiny_bundle):
+    settings = Settings(bundle=tiny_bundle, threads=1, api_keys="old-key, new-key", public_routes="/healthz")
+    with TestClient(create_app(settings)) as c:
+        body = {"context": ["hello"]}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"X-API-Key": "old-key-but-longer"}):
+            r = c.post("/respond", json=body, headers=headers)
+            assert r.status_code == 401 and r.json()["error"] == "missing or invalid API key"
+            assert r.headers["www-authenticate"] == "Bearer"
+        assert c.post("/respond", json={"context": []}).status_code == 401  # before validation
+        for headers in ({"Authorization": "Bearer old-key"}, {"X-API-Key": "new-key"}):  # rotation
+            assert c.post("/respond", json=body, headers=headers).status_code == 200
+        assert c.get("/healthz").status_code == 200  # public
+        assert c.get("/readyz").status_code == 401 and c.get("/metrics").status_code == 401
+        assert c.get("/metrics", headers={"X-API-Key": "new-key"}).status_code == 200
