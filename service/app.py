@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from service.batching import Overloaded
 from service.engine import Engine, Query, load_engine
+from service.logs import ACCESS, request_id
 from service.metrics import Metrics
 from service.schemas import ErrorResponse, RespondResponse, respond_request_model
 from service.settings import Settings
@@ -49,10 +50,16 @@ class Guard:
             return
         route = scope["path"] if scope["path"] in ROUTES else "other"
         status = {"code": 500}
+        headers = dict(scope.get("headers", []))
+        rid = request_id(headers.get(b"x-request-id", b"").decode("latin-1"))
+        note: dict[str, Any] = {}  # what the route adds to the access log (timings, dialogue if enabled)
+        scope.setdefault("state", {})["log"] = note
 
         async def send_recording(message: dict) -> None:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
+                echo = (b"x-request-id", rid.encode())
+                message = {**message, "headers": [*message.get("headers", []), echo]}
             await send(message)
 
         started = time.perf_counter()
@@ -68,9 +75,13 @@ class Guard:
             else:
                 await self.app(scope, _replay(body, receive), send_recording)
         finally:
+            elapsed = time.perf_counter() - started
             self.metrics.in_flight.dec()
             self.metrics.requests.labels(route, f"{status['code'] // 100}xx").inc()
-            self.metrics.latency.labels(route).observe(time.perf_counter() - started)
+            self.metrics.latency.labels(route).observe(elapsed)
+            fields = {"request_id": rid, "method": scope["method"], "route": route, "status": status["code"]}
+            fields |= {"duration_ms": round(1000 * elapsed, 3), **note}
+            ACCESS.info("request", extra={"fields": fields})
 
     async def _read_body(self, receive: Callable) -> bytes | None:
         """The whole body, or None as soon as it exceeds the limit."""
@@ -193,16 +204,23 @@ def create_app(settings: Settings | None = None, engine_factory: Callable[..., E
         },
         dependencies=[Depends(key_check(settings, "/respond"))],
     )
-    async def respond(body: request_model) -> Any:  # type: ignore[valid-type]
+    async def respond(body: request_model, request: Request) -> Any:  # type: ignore[valid-type]
+        note = request.state.log
+        if settings.log_text:
+            note["context"] = body.context
         engine: Engine | None = state["engine"]
         if engine is None or not state["ready"]:
             return _error(503, "not ready: the bundle is loading", **{"Retry-After": "1"})
         if body.fusion in ("rerank", "sum", "zscore") and not engine.backend.has_reranker:
             return _error(422, f"fusion: {body.fusion!r} needs a reranker and this bundle has none")
         try:
-            return await engine.respond(_query(body, engine))
+            result = await engine.respond(_query(body, engine))
         except Overloaded as exc:
             return _error(503, f"overloaded: {exc}", **{"Retry-After": "1"})
+        note["timings_ms"] = result["timings_ms"]
+        if settings.log_text:
+            note["responses"] = [r["text"] for r in result["responses"]]
+        return result
 
     @app.get("/healthz", dependencies=[Depends(key_check(settings, "/healthz"))])
     async def healthz() -> dict:

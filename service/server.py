@@ -9,6 +9,7 @@ from types import FrameType
 import uvicorn
 
 from service.app import Guard, create_app
+from service.logs import log_config
 from service.settings import Settings
 
 
@@ -30,7 +31,7 @@ def serve(settings: Settings) -> None:
         app,
         host=settings.host,
         port=settings.port,
-        log_level="info",
+        log_config=log_config(),
         timeout_graceful_shutdown=settings.drain_seconds,
     )
     DrainingServer(config, app).run()

@@ -43,6 +43,8 @@ class Settings(BaseSettings):
         20, ge=1, le=600, description="on SIGTERM, longest wait for in-flight requests to finish"
     )
 
+    log_text: bool = Field(False, description="put dialogue text and answers in the access log")
+
     # optional API keys: requests to non-public routes need one (`Authorization: Bearer <key>` or
     # `X-API-Key: <key>`); several keys allow rotation
     api_keys: str = Field("", repr=False, description="comma-separated API keys; empty = no auth")

@@ -3,6 +3,7 @@ exclude filtering, fusion, metrics, and the micro-batcher."""
 
 import asyncio
 import json
+import logging
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -292,3 +293,39 @@ def test_api_keys_guard_each_non_public_route(tiny_bundle):
         assert c.get("/healthz").status_code == 200  # public
         assert c.get("/readyz").status_code == 401 and c.get("/metrics").status_code == 401
         assert c.get("/metrics", headers={"X-API-Key": "new-key"}).status_code == 200
+
+
+def access_lines(caplog) -> list[dict]:
+    return [r.fields for r in caplog.records if r.name == "coreply.access"]
+
+
+def test_request_ids_are_echoed_or_made_and_every_request_is_logged(client, caplog):
+    caplog.set_level(logging.INFO, logger="coreply.access")
+    r = client.post("/respond", json={"context": ["hello"]}, headers={"X-Request-Id": "abc-123"})
+    assert r.headers["x-request-id"] == "abc-123"
+    made = client.get("/healthz", headers={"X-Request-Id": "bad id\\n"}).headers["x-request-id"]
+    assert len(made) == 32 and made != "bad id\\n"  # not echoed: a fresh one
+    assert client.post("/respond", json={"context": []}).headers["x-request-id"]  # errors too
+    lines = access_lines(caplog)
+    seen = [(x["route"], x["status"]) for x in lines]
+    assert seen == [("/respond", 200), ("/healthz", 200), ("/respond", 422)]
+    assert lines[0]["request_id"] == "abc-123" and lines[1]["request_id"] == made
+    assert set(lines[0]["timings_ms"]) >= {"encode", "search", "total"}
+    assert "hello" not in json.dumps(lines)  # no dialogue text unless COREPLY_LOG_TEXT
+
+
+def test_dialogue_text_is_logged_only_when_enabled(tiny_bundle, caplog):
+    caplog.set_level(logging.INFO, logger="coreply.access")
+    with TestClient(create_app(Settings(bundle=tiny_bundle, threads=1, log_text=True))) as c:
+        c.post("/respond", json={"context": ["hello there"]})
+    (line,) = [x for x in access_lines(caplog) if x["route"] == "/respond"]
+    assert line["context"] == ["hello there"] and line["responses"]
+
+
+def test_log_lines_are_json_objects():
+    from service.logs import JsonFormatter
+
+    record = logging.LogRecord("coreply.access", logging.INFO, __file__, 1, "request", None, None)
+    record.fields = {"request_id": "r1", "status": 200}
+    line = json.loads(JsonFormatter().format(record))
+    assert line["message"] == "request" and line["request_id"] == "r1" and line["level"] == "info"
