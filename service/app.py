@@ -11,12 +11,12 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from service.batching import Overloaded
+from service.batching import DeadlineExceeded, Overloaded
 from service.engine import Engine, Query, load_engine
 from service.logs import ACCESS, request_id
 from service.metrics import Metrics
@@ -201,10 +201,23 @@ def create_app(settings: Settings | None = None, engine_factory: Callable[..., E
             413: {"model": ErrorResponse},
             422: {"model": ErrorResponse},
             503: {"model": ErrorResponse},
+            504: {"model": ErrorResponse},
         },
         dependencies=[Depends(key_check(settings, "/respond"))],
     )
-    async def respond(body: request_model, request: Request) -> Any:  # type: ignore[valid-type]
+    async def respond(
+        body: request_model,  # type: ignore[valid-type]
+        request: Request,
+        timeout_ms: int | None = Header(
+            None,
+            alias="X-Request-Timeout-Ms",
+            ge=1,
+            le=600_000,
+            description="drop the request with 504 if it is still queued after this many ms",
+        ),
+    ) -> Any:
+        budget_ms = timeout_ms or settings.request_timeout_ms
+        deadline = time.perf_counter() + budget_ms / 1000 if budget_ms else None
         note = request.state.log
         if settings.log_text:
             note["context"] = body.context
@@ -214,9 +227,11 @@ def create_app(settings: Settings | None = None, engine_factory: Callable[..., E
         if body.fusion in ("rerank", "sum", "zscore") and not engine.backend.has_reranker:
             return _error(422, f"fusion: {body.fusion!r} needs a reranker and this bundle has none")
         try:
-            result = await engine.respond(_query(body, engine))
+            result = await engine.respond(_query(body, engine, deadline))
         except Overloaded as exc:
             return _error(503, f"overloaded: {exc}", **{"Retry-After": "1"})
+        except DeadlineExceeded as exc:
+            return _error(504, f"deadline exceeded: {exc}")
         note["timings_ms"] = result["timings_ms"]
         if settings.log_text:
             note["responses"] = [r["text"] for r in result["responses"]]
@@ -260,7 +275,7 @@ def create_app(settings: Settings | None = None, engine_factory: Callable[..., E
     return Guard(app, settings, metrics)
 
 
-def _query(body: Any, engine: Engine) -> Query:
+def _query(body: Any, engine: Engine, deadline: float | None = None) -> Query:
     settings = engine.settings
     n = body.n_candidates or max(settings.default_candidates, body.top_k)
     if body.top_k > n:
@@ -280,6 +295,7 @@ def _query(body: Any, engine: Engine) -> Query:
         fusion=body.fusion or engine.default_fusion,
         exclude_ids=frozenset(x for x in body.exclude if isinstance(x, int)),
         exclude_texts=tuple(x for x in body.exclude if isinstance(x, str)),
+        deadline=deadline,
     )
 
 

@@ -19,6 +19,10 @@ class Overloaded(Exception):
     """The stage's queue is full: the caller should answer 503 and let the client retry."""
 
 
+class DeadlineExceeded(Exception):
+    """The request's deadline passed while it waited: it is dropped before inference (504)."""
+
+
 @dataclass
 class Done:
     """One item's result plus where its time went."""
@@ -34,6 +38,7 @@ class _Job:
     item: Any
     size: int
     enqueued: float
+    deadline: float | None  # time.perf_counter() value; None = no deadline
     future: asyncio.Future = field(repr=False)
 
 
@@ -64,13 +69,21 @@ class MicroBatcher:
             await asyncio.gather(self.worker, return_exceptions=True)
             self.worker = None
 
-    async def submit(self, item: Any, size: int = 1) -> Done:
+    async def submit(self, item: Any, size: int = 1, deadline: float | None = None) -> Done:
+        """Queue ``item`` and wait for its result. A job still waiting at ``deadline`` (a
+        ``time.perf_counter()`` value) is dropped before inference with :class:`DeadlineExceeded`."""
         future = asyncio.get_running_loop().create_future()
+        enqueued = time.perf_counter()
         try:
-            self.queue.put_nowait(_Job(item, size, time.perf_counter(), future))
+            self.queue.put_nowait(_Job(item, size, enqueued, deadline, future))
         except asyncio.QueueFull:
             raise Overloaded(f"{self.name} queue is full ({self.queue.maxsize} waiting)") from None
-        return await future
+        if deadline is None:
+            return await future
+        try:  # answer at the deadline; the cancelled job is skipped when the worker reaches it
+            return await asyncio.wait_for(future, max(0.0, deadline - enqueued))
+        except asyncio.TimeoutError:
+            raise DeadlineExceeded(f"no result {deadline - enqueued:.3f} s after queueing") from None
 
     async def _gather(self) -> list[_Job]:
         jobs = [await self.queue.get()]
@@ -89,7 +102,12 @@ class MicroBatcher:
                 job = self.queue.get_nowait()
             jobs.append(job)
             size += job.size
-        return [j for j in jobs if not j.future.done()]  # drop requests that went away
+        now = time.perf_counter()
+        for job in jobs:
+            if job.deadline is not None and now >= job.deadline and not job.future.done():
+                waited = now - job.enqueued
+                job.future.set_exception(DeadlineExceeded(f"still queued after {waited:.3f} s"))
+        return [j for j in jobs if not j.future.done()]  # drop requests that expired or went away
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()

@@ -27,6 +27,7 @@ class Query:
     fusion: str
     exclude_ids: frozenset[int]
     exclude_texts: tuple[str, ...]
+    deadline: float | None = None  # time.perf_counter() value; queued work past it is dropped
 
 
 class Engine:
@@ -93,14 +94,16 @@ class Engine:
         blocked = (*query.context, *query.exclude_texts)
         # the pool holds each normalised text once, so each blocked text or id hides at most one hit
         k = query.n_candidates + len(blocked) + len(query.exclude_ids)
-        done = await self.retriever.submit((list(query.context), k))
+        done = await self.retriever.submit((list(query.context), k), deadline=query.deadline)
         self._account(done, timings, "retrieve")
         ids, retrieval = drop_blocked(*done.result, self.bundle.keys, blocked, query.exclude_ids)
         ids, retrieval = ids[: query.n_candidates], retrieval[: query.n_candidates].astype("float64")
         rerank: np.ndarray | None = None
         if query.fusion != "retrieval" and len(ids):
             texts = [self.bundle.texts[i] for i in ids]
-            done = await self.reranker.submit((list(query.context), texts), size=len(texts))
+            done = await self.reranker.submit(
+                (list(query.context), texts), size=len(texts), deadline=query.deadline
+            )
             self._account(done, timings, "rerank")
             rerank = done.result.astype("float64")
             self.metrics.reranked.observe(len(texts))

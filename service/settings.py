@@ -39,6 +39,9 @@ class Settings(BaseSettings):
         0.0, ge=0, le=100, description="longest wait for more work (0: batch what queued up meanwhile)"
     )
     queue_max: int = Field(256, ge=1, description="requests waiting per stage before 503")
+    request_timeout_ms: int = Field(
+        0, ge=0, le=600_000, description="deadline per request unless X-Request-Timeout-Ms says; 0 = none"
+    )
     drain_seconds: int = Field(
         20, ge=1, le=600, description="on SIGTERM, longest wait for in-flight requests to finish"
     )

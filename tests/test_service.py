@@ -4,6 +4,7 @@ exclude filtering, fusion, metrics, and the micro-batcher."""
 import asyncio
 import json
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -15,7 +16,7 @@ from coreply.bundle import load_bundle
 from coreply.fusion import drop_blocked, fuse, zscore
 from index_builder.build import build_bundle
 from service.app import create_app
-from service.batching import MicroBatcher, Overloaded
+from service.batching import DeadlineExceeded, MicroBatcher, Overloaded
 from service.settings import Settings
 
 LIMITS = dict(
@@ -329,3 +330,98 @@ def test_log_lines_are_json_objects():
     record.fields = {"request_id": "r1", "status": 200}
     line = json.loads(JsonFormatter().format(record))
     assert line["message"] == "request" and line["request_id"] == "r1" and line["level"] == "info"
+
+
+def test_a_job_past_its_deadline_is_answered_then_and_never_run():
+    import threading
+
+    gate, seen = threading.Event(), []
+
+    def run(items):
+        seen.extend(items)
+        gate.wait(5)
+        return list(items), {}
+
+    async def scenario(executor):
+        batcher = MicroBatcher("t", run, executor, max_size=1, max_wait_s=0.0, max_queue=4)
+        batcher.start()
+        first = asyncio.ensure_future(batcher.submit("first"))
+        await asyncio.sleep(0.05)  # "first" is running and holds the inference thread
+        started = time.perf_counter()
+        with pytest.raises(DeadlineExceeded):
+            await batcher.submit("late", deadline=started + 0.1)
+        waited = time.perf_counter() - started
+        gate.set()
+        done = await first
+        await asyncio.sleep(0.05)  # let the worker reach the expired job
+        await batcher.stop()
+        return waited, done
+
+    waited, done = run_batcher(scenario)
+    assert 0.09 <= waited < 1.0  # answered at its deadline, not when the worker got to it
+    assert done.result == "first" and seen == ["first"]  # the expired job never reached the model
+
+
+class Gate:
+    """Wraps an engine factory: once ``close()``d, context encoding blocks until ``open()``."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.opened, self.entered = threading.Event(), threading.Event()
+        self.opened.set()
+
+    def factory(self, settings, metrics):
+        from service.engine import load_engine
+
+        engine = load_engine(settings, metrics)
+        encode = engine.backend.encode_contexts
+
+        def gated(contexts):
+            self.entered.set()
+            self.opened.wait(10)
+            return encode(contexts)
+
+        engine.backend.encode_contexts = gated
+        return engine
+
+    def close(self) -> None:
+        self.entered.clear()
+        self.opened.clear()
+
+
+def test_queue_of_q_plus_k_more_requests_sheds_exactly_k_and_serves_the_rest(tiny_bundle):
+    q, k = 4, 3
+    gate = Gate()
+    settings = Settings(bundle=tiny_bundle, threads=1, queue_max=q, batch_max_contexts=1)
+    with TestClient(create_app(settings, gate.factory)) as c, ThreadPoolExecutor(q + k + 1) as pool:
+        body = {"context": ["hello"]}
+        gate.close()
+        running = pool.submit(c.post, "/respond", json=body)
+        assert gate.entered.wait(10)  # one request holds the model; the queue is empty
+        waiting = [pool.submit(c.post, "/respond", json=body) for _ in range(q + k)]
+        deadline = time.monotonic() + 10
+        while sum(f.done() for f in waiting) < k and time.monotonic() < deadline:
+            time.sleep(0.01)
+        gate.opened.set()
+        codes = [f.result().status_code for f in [running, *waiting]]
+    assert codes.count(503) == k and codes.count(200) == q + 1
+    shed = [f.result() for f in waiting if f.result().status_code == 503]
+    assert all(r.headers["retry-after"] == "1" for r in shed)
+
+
+def test_deadline_header_gives_504_while_queued_and_is_validated(tiny_bundle):
+    gate = Gate()
+    with TestClient(create_app(Settings(bundle=tiny_bundle, threads=1), gate.factory)) as c:
+        r = c.post("/respond", json={"context": ["hi"]}, headers={"X-Request-Timeout-Ms": "0"})
+        assert r.status_code == 422 and r.json()["error"].startswith("header.X-Request-Timeout-Ms")
+        with ThreadPoolExecutor(2) as pool:
+            gate.close()
+            running = pool.submit(c.post, "/respond", json={"context": ["hello"]})
+            assert gate.entered.wait(10)
+            late = c.post("/respond", json={"context": ["hi"]}, headers={"X-Request-Timeout-Ms": "100"})
+            gate.opened.set()
+            assert running.result().status_code == 200
+        assert late.status_code == 504 and late.json()["error"].startswith("deadline exceeded")
+        relaxed = c.post("/respond", json={"context": ["hi"]}, headers={"X-Request-Timeout-Ms": "5000"})
+        assert relaxed.status_code == 200
