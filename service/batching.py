@@ -83,7 +83,8 @@ class MicroBatcher:
         try:  # answer at the deadline; the cancelled job is skipped when the worker reaches it
             return await asyncio.wait_for(future, max(0.0, deadline - enqueued))
         except asyncio.TimeoutError:
-            raise DeadlineExceeded(f"no result {deadline - enqueued:.3f} s after queueing") from None
+            waited = time.perf_counter() - enqueued
+            raise DeadlineExceeded(f"no result within the deadline ({waited:.3f} s queued)") from None
 
     async def _gather(self) -> list[_Job]:
         jobs = [await self.queue.get()]
