@@ -5,7 +5,11 @@ turns ready, and no input can produce a 500: validation errors are 422 naming th
 the limit 413, a full queue 503."""
 
 import asyncio
+import contextlib
 import hmac
+import logging
+import math
+import signal
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -23,6 +27,8 @@ from service.metrics import Metrics
 from service.schemas import ErrorResponse, RespondResponse, respond_request_model
 from service.settings import Settings
 
+LOG = logging.getLogger("coreply.service")
+GOLDEN = ["hello! how are you?"]  # the warm-up request; a bundle must answer it before it serves
 ROUTES = ("/respond", "/healthz", "/readyz", "/metrics", "/docs", "/openapi.json")
 
 
@@ -37,6 +43,10 @@ class Guard:
 
     def __init__(self, app: Callable, settings: Settings, metrics: Metrics) -> None:
         self.app, self.settings, self.metrics = app, settings, metrics
+
+    async def reload(self) -> bool:
+        """Load the configured bundle beside the live one and swap if it verifies (see create_app)."""
+        return await self.app.state.reload()
 
     def begin_drain(self) -> None:
         """Shutdown has begun: ``/readyz`` answers 503 from now on, so load balancers stop sending;
@@ -149,21 +159,67 @@ def create_app(settings: Settings | None = None, engine_factory: Callable[..., E
     request_model = respond_request_model(settings)
     state: dict[str, Any] = {"engine": None, "ready": False, "draining": False}
 
+    async def warm(engine: Engine) -> None:
+        """The golden query: the engine must answer it with finite scores (this also warms it up)."""
+        answer = await engine.respond(_query(request_model(context=GOLDEN), engine))
+        if not answer["responses"] or not all(math.isfinite(r["score"]) for r in answer["responses"]):
+            raise RuntimeError(f"bundle {engine.bundle.version} gave no usable answer to the golden query")
+
+    async def open_engine() -> Engine:
+        """Load, verify (hashes, dimension, count, models), start and warm an engine."""
+        loop = asyncio.get_running_loop()
+        engine = await loop.run_in_executor(None, engine_factory, settings, metrics)
+        await engine.start()
+        try:
+            await warm(engine)
+        except BaseException:
+            await engine.stop()
+            raise
+        return engine
+
+    reloading = asyncio.Lock()
+
+    async def reload() -> bool:
+        """Hot reload: the bundle at ``settings.bundle`` (e.g. a ``current`` symlink moved to a new
+        version) is loaded beside the live one, verified and warmed, then swapped in; requests already
+        running finish on the old one. On any failure the old bundle keeps serving, and the metric
+        ``coreply_reloads_total{result="failed"}`` and the log say why."""
+        async with reloading:
+            old = state["engine"]
+            try:
+                new = await open_engine()
+            except Exception as exc:
+                metrics.reloads.labels("failed").inc()
+                fields = {"error": f"{type(exc).__name__}: {exc}", "serving": old.bundle.version}
+                LOG.error("reload failed, still serving the previous bundle", extra={"fields": fields})
+                return False
+            state["engine"] = new
+            metrics.bundle.remove(old.bundle.version)
+            metrics.bundle.labels(new.bundle.version).set(1)
+            metrics.reloads.labels("ok").inc()
+            LOG.info("reloaded", extra={"fields": {"old": old.bundle.version, "new": new.bundle.version}})
+            await old.retire(settings.drain_seconds)
+            return True
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine = await asyncio.get_running_loop().run_in_executor(None, engine_factory, settings, metrics)
-        await engine.start()
+        engine = await open_engine()
         state["engine"] = engine
         metrics.bundle.labels(engine.bundle.version).set(1)
-        await engine.respond(_query(request_model(context=["hello! how are you?"]), engine))  # warm-up
         state["ready"] = True
         metrics.ready.set(0 if state["draining"] else 1)
+        loop = asyncio.get_running_loop()
+        no_signals = (AttributeError, NotImplementedError, RuntimeError, ValueError)
+        with contextlib.suppress(*no_signals):  # main thread only (not under the test client); POSIX only
+            loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(reload()))
         try:
             yield
         finally:
             state["ready"] = False
             metrics.ready.set(0)
-            await engine.stop()
+            with contextlib.suppress(*no_signals):
+                loop.remove_signal_handler(signal.SIGHUP)
+            await state["engine"].stop()
 
     app = FastAPI(
         title="coreply",
@@ -272,6 +328,7 @@ def create_app(settings: Settings | None = None, engine_factory: Callable[..., E
 
     app.state.coreply = state
     app.state.metrics = metrics
+    app.state.reload = reload
     return Guard(app, settings, metrics)
 
 

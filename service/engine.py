@@ -4,6 +4,7 @@ micro-batchers (retrieval: encode + search; rerank: pairs)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +37,7 @@ class Engine:
     ) -> None:
         self.bundle, self.backend, self.settings, self.metrics = bundle, backend, settings, metrics
         self.threads = threads  # intra-op threads of the backend
+        self.active = 0  # requests in respond() now (a replaced engine stops when this reaches 0)
         self.zscore_weight = float(bundle.manifest.get("fusion", {}).get("zscore_weight", 0.5))
         self.default_fusion = "zscore" if backend.has_reranker else "retrieval"
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="coreply-infer")
@@ -88,7 +90,21 @@ class Engine:
         await self.reranker.stop()
         self.executor.shutdown(wait=True)
 
+    async def retire(self, timeout_s: float) -> None:
+        """Stop once the requests already using this engine are done (at most ``timeout_s``)."""
+        deadline = time.perf_counter() + timeout_s
+        while self.active and time.perf_counter() < deadline:
+            await asyncio.sleep(0.01)
+        await self.stop()
+
     async def respond(self, query: Query) -> dict:
+        self.active += 1
+        try:
+            return await self._respond(query)
+        finally:
+            self.active -= 1
+
+    async def _respond(self, query: Query) -> dict:
         started = time.perf_counter()
         timings = {"queue_wait": 0.0, "encode": 0.0, "search": 0.0, "rerank": 0.0}
         blocked = (*query.context, *query.exclude_texts)

@@ -48,5 +48,8 @@ class Metrics:
         )
         self.bundle = Gauge("coreply_bundle_info", "The loaded bundle (value 1)", ["version"], registry=r)
         self.ready = Gauge("coreply_ready", "1 when the bundle is loaded and warmed up", registry=r)
+        self.reloads = Counter(
+            "coreply_reloads", "Bundle reloads (SIGHUP) by result: ok or failed", ["result"], registry=r
+        )
         for stage in STAGES:  # expose every series from the start
             self.stage.labels(stage)

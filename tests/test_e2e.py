@@ -207,3 +207,36 @@ def test_sigterm_under_load_drains_every_admitted_request(tiny_bundle, tmp_path)
     assert set(kinds) <= {"ok", "refused"}, [k for k in kinds if k not in ("ok", "refused")]
     assert sum(1 for kind, at in outcomes if kind == "ok" and at > sent) > 0  # some really were in flight
     assert process.returncode in (0, -15) and "Application shutdown complete" in log.read_text()
+
+
+def test_sighup_reloads_the_bundle_in_a_real_server(tiny_bundle, tmp_path):
+    import signal
+
+    from index_builder.build import add_responses
+
+    v1, v2 = tmp_path / "v1", tmp_path / "v2"
+    shutil.copytree(tiny_bundle, v1)
+    shutil.copytree(tiny_bundle, v2)
+    new = add_responses(v2, ["a brand new reply about gardening"], progress=False)["bundle_version"]
+    current = tmp_path / "current"
+    current.symlink_to(v1)
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "coreply.cli", "serve", "--bundle", str(current), "--port", str(port)]
+    with open(tmp_path / "server.log", "w") as out:
+        process = subprocess.Popen([*cmd, "--threads", "1"], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for(base + "/readyz", process)
+        assert httpx.get(base + "/readyz").json()["bundle_version"] != new
+        current.unlink()
+        current.symlink_to(v2)
+        process.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 60
+        while httpx.get(base + "/readyz").json()["bundle_version"] != new:
+            assert time.monotonic() < deadline, (tmp_path / "server.log").read_text()[-2000:]
+            time.sleep(0.2)
+        assert httpx.post(base + "/respond", json={"context": ["hello"]}).status_code == 200
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    assert '"message": "reloaded"' in (tmp_path / "server.log").read_text()

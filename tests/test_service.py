@@ -4,6 +4,7 @@ exclude filtering, fusion, metrics, and the micro-batcher."""
 import asyncio
 import json
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -425,3 +426,48 @@ def test_deadline_header_gives_504_while_queued_and_is_validated(tiny_bundle):
         assert late.status_code == 504 and late.json()["error"].startswith("deadline exceeded")
         relaxed = c.post("/respond", json={"context": ["hi"]}, headers={"X-Request-Timeout-Ms": "5000"})
         assert relaxed.status_code == 200
+
+
+def test_hot_reload_swaps_a_valid_bundle_and_keeps_serving_through_a_corrupt_one(tiny_bundle, tmp_path):
+    import shutil
+
+    from index_builder.build import add_responses
+
+    v1, v2, v3 = tmp_path / "v1", tmp_path / "v2", tmp_path / "v3"
+    shutil.copytree(tiny_bundle, v1)
+    shutil.copytree(tiny_bundle, v2)
+    add_responses(v2, ["a brand new reply about gardening"], progress=False)
+    shutil.copytree(v2, v3)
+    with open(v3 / "responses.jsonl", "a") as fh:
+        fh.write('{"id": 999, "text": "tampered"}\n')
+    current = tmp_path / "current"
+    current.symlink_to(v1)
+    app = create_app(Settings(bundle=current, threads=1))
+
+    def point_to(target):
+        current.unlink()
+        current.symlink_to(target)
+
+    with TestClient(app) as c, ThreadPoolExecutor(4) as pool:
+        first = c.get("/readyz").json()["bundle_version"]
+        stop, codes = threading.Event(), []
+
+        def hammer():
+            while not stop.is_set():
+                codes.append(c.post("/respond", json={"context": ["do you have a pet ?"]}).status_code)
+
+        workers = [pool.submit(hammer) for _ in range(3)]  # load during both reloads
+        point_to(v2)
+        assert c.portal.call(app.reload) is True
+        second = c.get("/readyz").json()["bundle_version"]
+        point_to(v3)
+        assert c.portal.call(app.reload) is False  # refused: the live bundle stays
+        assert c.get("/readyz").json()["bundle_version"] == second != first
+        stop.set()
+        for w in workers:
+            w.result()
+        metrics = c.get("/metrics").text
+    assert codes and set(codes) == {200}
+    assert 'coreply_reloads_total{result="ok"} 1.0' in metrics
+    assert 'coreply_reloads_total{result="failed"} 1.0' in metrics
+    assert f'coreply_bundle_info{{version="{second}"}} 1.0' in metrics and first not in metrics
