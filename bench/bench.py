@@ -54,7 +54,10 @@ class Server:
     def __init__(self, bundle: str, threads: int, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "COREPLY_MAX_CANDIDATES": "200", "COREPLY_QUEUE_MAX": "1024", **(env or {})}
+        env = {**os.environ, "COREPLY_MAX_CANDIDATES": "200", "COREPLY_QUEUE_MAX": "1024"} | {
+            "COREPLY_CASCADE": "false",  # measure the work asked for, not the load-adaptive shortcut
+            **(env or {}),
+        }
         cmd = [sys.executable, "-m", "coreply.cli", "serve", "--bundle", bundle, "--port", str(self.port)]
         cmd += ["--threads", str(threads)]
         self.process = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

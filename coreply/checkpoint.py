@@ -190,6 +190,8 @@ def base_weights(config: ModelConfig) -> Path:
 def _load_adapter(root: Path, meta: dict[str, Any], config: ModelConfig) -> BiEncoder | CrossEncoder:
     """Base model (verified by sha256) + the stored adapters, not yet merged."""
     adapter = meta["adapter"]
+    if not isinstance(adapter, dict) or not {"rank", "alpha", "base_sha256"} <= set(adapter):
+        raise CheckpointError(f"{root / META}: 'adapter' needs rank, alpha and base_sha256")
     base = base_weights(config)
     if sha256_file(base) != adapter.get("base_sha256"):
         raise CheckpointError(

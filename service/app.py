@@ -1,8 +1,10 @@
 """The FastAPI application: ``POST /respond``, ``GET /healthz``, ``GET /readyz``, ``GET /metrics``.
 
-The bundle is loaded in the lifespan (never at import), one warm-up request runs before ``/readyz``
-turns ready, and no input can produce a 500: validation errors are 422 naming the field, bodies over
-the limit 413, a full queue 503."""
+The bundle is loaded in the lifespan (never at import) and must answer a golden query before
+``/readyz`` turns ready; SIGHUP reloads it the same way beside the live one (see ``reload``). No input
+can produce a 500: validation errors are 422 naming the field, bodies over the limit 413, a missing
+API key 401, a full queue 503, a request still queued at its own deadline 504. Every request gets an
+``X-Request-Id`` and one JSON access-log line."""
 
 import asyncio
 import contextlib

@@ -16,6 +16,7 @@ from coreply.bundle import Bundle, make_backend
 from coreply.fusion import drop_blocked, fuse
 from coreply.inference import Backend
 from service.batching import MicroBatcher
+from service.cascade import Cascade
 from service.metrics import Metrics
 from service.settings import Settings
 
@@ -40,6 +41,17 @@ class Engine:
         self.active = 0  # requests in respond() now (a replaced engine stops when this reaches 0)
         self.zscore_weight = float(bundle.manifest.get("fusion", {}).get("zscore_weight", 0.5))
         self.default_fusion = "zscore" if backend.has_reranker else "retrieval"
+        self.cascade = (
+            Cascade(
+                settings.cascade_high_ms,
+                settings.cascade_low_ms,
+                settings.cascade_floor_candidates,
+                settings.cascade_skip_rerank,
+                settings.cascade_step_s,
+            )
+            if settings.cascade
+            else None
+        )
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="coreply-infer")
         wait = settings.batch_wait_ms / 1000
         self.retriever = MicroBatcher(
@@ -107,15 +119,19 @@ class Engine:
     async def _respond(self, query: Query) -> dict:
         started = time.perf_counter()
         timings = {"queue_wait": 0.0, "encode": 0.0, "search": 0.0, "rerank": 0.0}
+        reranks = query.fusion != "retrieval"
+        plan = self.cascade.plan(query.n_candidates, reranks) if self.cascade else None
+        n_candidates = plan.n_candidates if plan else query.n_candidates
+        fusion = "retrieval" if plan and plan.skip_rerank else query.fusion
         blocked = (*query.context, *query.exclude_texts)
         # the pool holds each normalised text once, so each blocked text or id hides at most one hit
-        k = query.n_candidates + len(blocked) + len(query.exclude_ids)
+        k = n_candidates + len(blocked) + len(query.exclude_ids)
         done = await self.retriever.submit((list(query.context), k), deadline=query.deadline)
         self._account(done, timings, "retrieve")
         ids, retrieval = drop_blocked(*done.result, self.bundle.keys, blocked, query.exclude_ids)
-        ids, retrieval = ids[: query.n_candidates], retrieval[: query.n_candidates].astype("float64")
+        ids, retrieval = ids[:n_candidates], retrieval[:n_candidates].astype("float64")
         rerank: np.ndarray | None = None
-        if query.fusion != "retrieval" and len(ids):
+        if fusion != "retrieval" and len(ids):
             texts = [self.bundle.texts[i] for i in ids]
             done = await self.reranker.submit(
                 (list(query.context), texts), size=len(texts), deadline=query.deadline
@@ -125,7 +141,7 @@ class Engine:
             self.metrics.reranked.observe(len(texts))
         else:
             self.metrics.reranked.observe(0)
-        final = retrieval if rerank is None else fuse(query.fusion, retrieval, rerank, self.zscore_weight)
+        final = retrieval if rerank is None else fuse(fusion, retrieval, rerank, self.zscore_weight)
         order = np.argsort(-final, kind="stable")[: query.top_k]
         responses = [
             {
@@ -138,12 +154,21 @@ class Engine:
             for j in order
         ]
         timings["total"] = time.perf_counter() - started
+        if self.cascade is not None:
+            self.cascade.observe(timings["queue_wait"])
+            self.metrics.cascade_level.set(self.cascade.level)
+        degraded = None
+        if plan is not None and plan.level:
+            self.metrics.degraded.inc()
+            degraded = {"level": plan.level, "requested_candidates": query.n_candidates}
+            degraded |= {"requested_fusion": query.fusion}
         return {
             "responses": responses,
-            "fusion": query.fusion,
+            "fusion": fusion,
             "n_candidates": len(ids),
             "bundle_version": self.bundle.version,
             "timings_ms": {name: round(1000 * s, 3) for name, s in timings.items()},
+            "degraded": degraded,
         }
 
     def _account(self, done, timings: dict[str, float], batcher: str) -> None:

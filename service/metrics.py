@@ -48,6 +48,12 @@ class Metrics:
         )
         self.bundle = Gauge("coreply_bundle_info", "The loaded bundle (value 1)", ["version"], registry=r)
         self.ready = Gauge("coreply_ready", "1 when the bundle is loaded and warmed up", registry=r)
+        self.cascade_level = Gauge(
+            "coreply_cascade_level", "Load-adaptive cascade level (0 = full work)", registry=r
+        )
+        self.degraded = Counter(
+            "coreply_degraded_requests", "Requests answered with less work by the cascade", registry=r
+        )
         self.reloads = Counter(
             "coreply_reloads", "Bundle reloads (SIGHUP) by result: ok or failed", ["result"], registry=r
         )

@@ -77,14 +77,23 @@ class Candidate(BaseModel):
     rerank_score: float | None = None
 
 
+class Degraded(BaseModel):
+    """Present when the load-adaptive cascade gave this request less work than it asked for."""
+
+    level: int = Field(description="1-3; each level halves n_r, level 3 may skip the reranker")
+    requested_candidates: int
+    requested_fusion: Fusion
+
+
 class RespondResponse(BaseModel):
     responses: list[Candidate]
-    fusion: Fusion
+    fusion: Fusion = Field(description="the fusion used (retrieval when the cascade skipped reranking)")
     n_candidates: int
     bundle_version: str
     timings_ms: dict[str, float] = Field(
         description="total, queue_wait, encode, search, rerank (milliseconds; batch stages are shared)"
     )
+    degraded: Degraded | None = None
 
 
 class ErrorResponse(BaseModel):

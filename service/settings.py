@@ -46,6 +46,14 @@ class Settings(BaseSettings):
         20, ge=1, le=600, description="on SIGTERM, longest wait for in-flight requests to finish"
     )
 
+    # load-adaptive cascade (service/cascade.py): shrink n_r, then skip the reranker, while requests queue
+    cascade: bool = Field(True, description="degrade under sustained queueing (reported per response)")
+    cascade_high_ms: float = Field(100.0, ge=0, description="mean queue wait that steps the level up")
+    cascade_low_ms: float = Field(20.0, ge=0, description="mean queue wait that steps the level down")
+    cascade_floor_candidates: int = Field(5, ge=1, description="n_r never shrinks below this")
+    cascade_skip_rerank: bool = Field(True, description="the top level answers by retrieval alone")
+    cascade_step_s: float = Field(1.0, ge=0, description="least time between two level changes")
+
     log_text: bool = Field(False, description="put dialogue text and answers in the access log")
 
     # optional API keys: requests to non-public routes need one (`Authorization: Bearer <key>` or
@@ -65,6 +73,8 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _consistent(self) -> Settings:
+        if self.cascade_low_ms > self.cascade_high_ms:
+            raise ValueError("cascade_low_ms exceeds cascade_high_ms")
         if self.default_candidates > self.max_candidates:
             n, most = self.default_candidates, self.max_candidates
             raise ValueError(f"default_candidates ({n}) exceeds max_candidates ({most})")

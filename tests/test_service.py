@@ -471,3 +471,53 @@ def test_hot_reload_swaps_a_valid_bundle_and_keeps_serving_through_a_corrupt_one
     assert 'coreply_reloads_total{result="ok"} 1.0' in metrics
     assert 'coreply_reloads_total{result="failed"} 1.0' in metrics
     assert f'coreply_bundle_info{{version="{second}"}} 1.0' in metrics and first not in metrics
+
+
+def test_cascade_steps_up_under_queueing_down_when_it_clears_and_respects_floors():
+    from service.cascade import MAX_LEVEL, Cascade, Plan
+
+    cascade = Cascade(high_ms=100, low_ms=20, floor=5, skip_rerank=True, step_s=1.0, smoothing=0.5)
+    assert cascade.plan(20, reranks=True) == Plan(20, False, 0)
+    now = 0.0
+    for _ in range(3):  # a burst within one step interval moves at most one level
+        cascade.observe(0.5, now)
+    assert cascade.level == 1
+    for _ in range(10):
+        now += 1.0
+        cascade.observe(0.5, now)
+    assert cascade.level == MAX_LEVEL
+    assert cascade.plan(20, reranks=True).n_candidates == 5 and cascade.plan(20, True).skip_rerank
+    assert cascade.plan(3, reranks=True).n_candidates == 3  # never more than asked
+    assert cascade.plan(20, reranks=False).level == 0  # retrieval-only work is not degraded
+    cascade.observe(0.05, now + 1.0)  # between the thresholds: stays
+    assert cascade.level == MAX_LEVEL
+    for _ in range(10):
+        now += 1.0
+        cascade.observe(0.0, now)
+    assert cascade.level == 0 and cascade.plan(20, True).n_candidates == 20
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_cascade_is_reported_in_the_response_and_metrics(tiny_bundle, enabled):
+    settings = Settings(
+        bundle=tiny_bundle,
+        threads=1,
+        cascade=enabled,
+        cascade_high_ms=0.0,  # any queue wait at all counts as queueing: every request steps up
+        cascade_low_ms=0.0,
+        cascade_step_s=0.0,
+    )
+    with TestClient(create_app(settings)) as c:
+        body = {"context": ["hi", TOPICS["pet"][0]], "n_candidates": 8, "fusion": "sum", "top_k": 2}
+        for _ in range(3):
+            c.post("/respond", json=body)
+        r = c.post("/respond", json=body).json()
+        metrics = c.get("/metrics").text
+    if enabled:
+        assert r["degraded"] == {"level": 3, "requested_candidates": 8, "requested_fusion": "sum"}
+        assert r["fusion"] == "retrieval" and r["n_candidates"] == 5
+        assert all(x["rerank_score"] is None for x in r["responses"])
+        assert "coreply_cascade_level 3.0" in metrics
+    else:
+        assert r["degraded"] is None and r["fusion"] == "sum" and r["n_candidates"] == 8
+        assert "coreply_degraded_requests_total 0.0" in metrics
