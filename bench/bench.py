@@ -42,6 +42,15 @@ def percentiles(ms: list[float]) -> dict[str, float]:
     }
 
 
+def provenance() -> dict[str, str]:
+    """When, where and how a benchmark result was produced."""
+    return {
+        "date": dt.date.today().isoformat(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} vCPUs, {platform.platform()}",
+        "command": " ".join(sys.argv),
+    }
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -236,13 +245,7 @@ def main() -> None:
     for row in rows:
         for side in ("coreply", "peer"):
             row.get(side, {}).pop("top1", None)
-    result = {
-        "date": dt.date.today().isoformat(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} vCPUs, {platform.platform()}",
-        "command": " ".join(sys.argv),
-        "bundle": ready,
-        "rows": rows,
-    }
+    result = {**provenance(), "bundle": ready, "rows": rows}
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")
 

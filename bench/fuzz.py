@@ -8,9 +8,7 @@ The one 5xx allowed is the documented 504 for a request whose own X-Request-Time
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -24,7 +22,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from bench import Server  # bench/bench.py: this script's directory is on sys.path
+from bench import Server, provenance  # bench/bench.py: this script's directory is on sys.path
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 
@@ -66,8 +64,7 @@ def main() -> None:
         server.stop()
     total = sum(codes.values())
     report = {
-        "date": dt.date.today().isoformat(),
-        "command": " ".join(sys.argv),
+        **provenance(),
         "requests": total,
         "seconds": round(time.perf_counter() - started, 1),
         "status_codes": dict(sorted(codes.items())),

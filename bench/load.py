@@ -12,18 +12,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
 import json
-import os
-import platform
-import sys
 import time
 from collections import Counter
 from pathlib import Path
 
 import httpx
 
-from bench import Server, load, percentiles  # bench/bench.py: this script's directory is on sys.path
+from bench import (  # bench/bench.py: this script's directory is on sys.path
+    Server,
+    load,
+    percentiles,
+    provenance,
+)
 
 
 async def open_loop(url: str, contexts: list[list[str]], rps: float, seconds: float) -> dict:
@@ -86,9 +87,7 @@ def main() -> None:
     finally:
         server.stop()
     report = {
-        "date": dt.date.today().isoformat(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} vCPUs, {platform.platform()}",
-        "command": " ".join(sys.argv),
+        **provenance(),
         "bundle": ready,
         "capacity_rps_one_client": capacity,
         "offered_rps": round(rps, 1),
