@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install serve test test-full lint results-cpu results-gpu clean
+.PHONY: install serve test test-full lint soak results-cpu results-gpu clean
 
 # The pinned CPU torch goes in first: an unpinned torch would pull several GB of CUDA packages.
 $(STAMP): pyproject.toml
@@ -37,6 +37,10 @@ lint: install
 	promtool check config docker/prometheus/prometheus.yml
 	promtool check rules docker/prometheus/alerts.yml
 	$(BIN)/kubernetes-validate --strict --quiet deploy/*.yaml
+
+# One hour of steady load on the default bundle: memory growth and latency drift (docs/reliability.md).
+soak: install
+	$(BIN)/python bench/soak.py --bundle artifacts/default-bundle --minutes 60 --out docs/soak-cpu.json
 
 results-cpu: install
 	PATH=$(abspath $(BIN)):$$PATH SCALE=cpu bash scripts/results_table.sh
