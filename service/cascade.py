@@ -48,9 +48,10 @@ class Cascade:
         elif self.wait_s < self.low_s and self.level > 0:
             self.level, self.changed = self.level - 1, now
 
-    def plan(self, n_candidates: int, reranks: bool) -> Plan:
-        """What a request asking for ``n_candidates`` (and a rerank, if ``reranks``) gets now."""
+    def plan(self, n_candidates: int, reranks: bool, top_k: int = 1) -> Plan:
+        """What a request asking for ``n_candidates`` (and a rerank, if ``reranks``) gets now; never
+        fewer candidates than the floor or the ``top_k`` it wants back, nor more than it asked for."""
         if not reranks or self.level == 0:
             return Plan(n_candidates, False, 0)
-        n = max(min(self.floor, n_candidates), n_candidates >> self.level)
+        n = min(n_candidates, max(self.floor, top_k, n_candidates >> self.level))
         return Plan(n, self.allow_skip and self.level == MAX_LEVEL, self.level)

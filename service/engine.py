@@ -120,7 +120,7 @@ class Engine:
         started = time.perf_counter()
         timings = {"queue_wait": 0.0, "encode": 0.0, "search": 0.0, "rerank": 0.0}
         reranks = query.fusion != "retrieval"
-        plan = self.cascade.plan(query.n_candidates, reranks) if self.cascade else None
+        plan = self.cascade.plan(query.n_candidates, reranks, query.top_k) if self.cascade else None
         n_candidates = plan.n_candidates if plan else query.n_candidates
         fusion = "retrieval" if plan and plan.skip_rerank else query.fusion
         blocked = (*query.context, *query.exclude_texts)

@@ -488,6 +488,7 @@ def test_cascade_steps_up_under_queueing_down_when_it_clears_and_respects_floors
     assert cascade.level == MAX_LEVEL
     assert cascade.plan(20, reranks=True).n_candidates == 5 and cascade.plan(20, True).skip_rerank
     assert cascade.plan(3, reranks=True).n_candidates == 3  # never more than asked
+    assert cascade.plan(20, reranks=True, top_k=8).n_candidates == 8  # never fewer than wanted back
     assert cascade.plan(20, reranks=False).level == 0  # retrieval-only work is not degraded
     cascade.observe(0.05, now + 1.0)  # between the thresholds: stays
     assert cascade.level == MAX_LEVEL
