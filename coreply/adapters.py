@@ -52,8 +52,7 @@ def add_lora(model: nn.Module, rank: int, alpha: float) -> None:
                 module.weight.requires_grad_(False)
                 delta = LowRankDelta(module.out_features, module.in_features, rank, alpha)
                 parametrize.register_parametrization(module, ADAPTED, delta.to(module.weight.device))
-    # embeddings are frozen too: only adapters, biases, norms and what sits outside the backbones train
-    for backbone in backbones(model):
+        # embeddings are frozen too: only adapters, biases, norms and what sits outside the backbones train
         for name, param in backbone.named_parameters():
             if "embeddings" in name and not name.endswith(("LayerNorm.weight", "LayerNorm.bias")):
                 param.requires_grad_(False)

@@ -38,7 +38,6 @@ class _Job:
     item: Any
     size: int
     enqueued: float
-    deadline: float | None  # time.perf_counter() value; None = no deadline
     future: asyncio.Future = field(repr=False)
 
 
@@ -75,12 +74,12 @@ class MicroBatcher:
         future = asyncio.get_running_loop().create_future()
         enqueued = time.perf_counter()
         try:
-            self.queue.put_nowait(_Job(item, size, enqueued, deadline, future))
+            self.queue.put_nowait(_Job(item, size, enqueued, future))
         except asyncio.QueueFull:
             raise Overloaded(f"{self.name} queue is full ({self.queue.maxsize} waiting)") from None
         if deadline is None:
             return await future
-        try:  # answer at the deadline; the cancelled job is skipped when the worker reaches it
+        try:  # answer at the deadline; the timeout cancels the future, so the worker skips the job
             return await asyncio.wait_for(future, max(0.0, deadline - enqueued))
         except asyncio.TimeoutError:
             waited = time.perf_counter() - enqueued
@@ -103,11 +102,6 @@ class MicroBatcher:
                 job = self.queue.get_nowait()
             jobs.append(job)
             size += job.size
-        now = time.perf_counter()
-        for job in jobs:
-            if job.deadline is not None and now >= job.deadline and not job.future.done():
-                waited = now - job.enqueued
-                job.future.set_exception(DeadlineExceeded(f"still queued after {waited:.3f} s"))
         return [j for j in jobs if not j.future.done()]  # drop requests that expired or went away
 
     async def _loop(self) -> None:

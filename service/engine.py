@@ -160,8 +160,11 @@ class Engine:
         degraded = None
         if plan is not None and plan.level:
             self.metrics.degraded.inc()
-            degraded = {"level": plan.level, "requested_candidates": query.n_candidates}
-            degraded |= {"requested_fusion": query.fusion}
+            degraded = {
+                "level": plan.level,
+                "requested_candidates": query.n_candidates,
+                "requested_fusion": query.fusion,
+            }
         return {
             "responses": responses,
             "fusion": fusion,
@@ -186,10 +189,8 @@ def load_engine(settings: Settings, metrics: Metrics) -> Engine:
 
     bundle = load_bundle(settings.bundle)
     if settings.threads:
-        backend, threads = (
-            make_backend(bundle, settings.backend, settings.threads, settings.device),
-            settings.threads,
-        )
+        threads = settings.threads
+        backend = make_backend(bundle, settings.backend, threads, settings.device)
     else:
         backend, threads = fastest_backend(bundle, settings)
     return Engine(bundle, backend, threads, settings, metrics)
