@@ -50,6 +50,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-response-tokens", type=int, default=ModelConfig.max_response_tokens)
     g.add_argument("--max-turns", type=int, default=ModelConfig.max_turns)
     g.add_argument("--dropout", type=float, default=ModelConfig.dropout)
+    g.add_argument(
+        "--num-layers", type=int, default=None, help="keep the base model's first k layers (default: all)"
+    )
 
 
 def _model_config(args: argparse.Namespace) -> ModelConfig:
@@ -64,6 +67,7 @@ def _model_config(args: argparse.Namespace) -> ModelConfig:
         max_response_tokens=args.max_response_tokens,
         max_turns=args.max_turns,
         dropout=args.dropout,
+        num_layers=args.num_layers,
     )
 
 

@@ -53,9 +53,20 @@ def _no_pooler(factory, *args: Any) -> PreTrainedModel:
         return factory(*args)
 
 
-def load_pretrained(name: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def load_pretrained(
+    name: str, num_layers: int | None = None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The base model and its tokenizer; ``num_layers`` keeps only the first k transformer layers (the
+    backbone's config says so too, so a checkpoint of it rebuilds with k layers)."""
     path = resolve_base_model(name)
-    return _no_pooler(AutoModel.from_pretrained, str(path)), AutoTokenizer.from_pretrained(str(path))
+    backbone = _no_pooler(AutoModel.from_pretrained, str(path))
+    if num_layers is not None:
+        layers = backbone.encoder.layer
+        if num_layers > len(layers):
+            raise ValueError(f"num_layers={num_layers}, but {name!r} has only {len(layers)} layers")
+        backbone.encoder.layer = layers[:num_layers]
+        backbone.config.num_hidden_layers = num_layers
+    return backbone, AutoTokenizer.from_pretrained(str(path))
 
 
 def backbone_from_config(hf_config: dict[str, Any]) -> PreTrainedModel:
@@ -119,7 +130,7 @@ class BiEncoder(_Encoder):
 
     @classmethod
     def from_pretrained(cls, config: ModelConfig) -> BiEncoder:
-        tower, tokenizer = load_pretrained(config.base_model)
+        tower, tokenizer = load_pretrained(config.base_model, config.num_layers)
         other = None if config.share_towers else copy.deepcopy(tower)
         return cls(config, tower, other, tokenizer)
 
@@ -193,7 +204,7 @@ class CrossEncoder(_Encoder):
 
     @classmethod
     def from_pretrained(cls, config: ModelConfig) -> CrossEncoder:
-        backbone, tokenizer = load_pretrained(config.base_model)
+        backbone, tokenizer = load_pretrained(config.base_model, config.num_layers)
         return cls(config, backbone, tokenizer)
 
     @classmethod

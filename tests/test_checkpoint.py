@@ -119,3 +119,25 @@ def test_score_scale_scales_context_embeddings_and_survives_a_round_trip(tmp_pat
     assert torch.allclose(loaded.embed_contexts(contexts), bi.embed_contexts(contexts), atol=1e-5)
     with pytest.raises(ValueError, match="score_scale"):
         ModelConfig(score_scale=0.0)
+
+
+def test_num_layers_keeps_the_first_layers_and_survives_a_round_trip(tmp_path, tiny_model_dir):
+    full = CrossEncoder.from_pretrained(ModelConfig(base_model=str(tiny_model_dir))).eval()
+    cut = CrossEncoder.from_pretrained(ModelConfig(base_model=str(tiny_model_dir), num_layers=1)).eval()
+    assert len(full.backbone.encoder.layer) == 2 and len(cut.backbone.encoder.layer) == 1
+    pairs = cut.tokenizer.pairs([CONTEXTS[0]] * 3, RESPONSES)
+    inputs = {
+        "input_ids": pairs.input_ids,
+        "attention_mask": pairs.attention_mask,
+        "token_type_ids": pairs.token_type_ids,
+    }
+    with torch.inference_mode():
+        after_first = full.backbone(**inputs, output_hidden_states=True).hidden_states[1]  # [N, L, H]
+        own = cut.backbone(**inputs).last_hidden_state  # [N, L, H]
+    assert torch.allclose(own, after_first, atol=1e-6)
+    save_checkpoint(cut, tmp_path / "c")
+    loaded = load_checkpoint(tmp_path / "c", expect="cross")
+    assert len(loaded.backbone.encoder.layer) == 1 and loaded.config.num_layers == 1
+    assert torch.equal(cross_scores(cut), cross_scores(loaded))
+    with pytest.raises(ValueError, match="has only 2 layers"):
+        CrossEncoder.from_pretrained(ModelConfig(base_model=str(tiny_model_dir), num_layers=3))
