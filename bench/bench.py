@@ -122,7 +122,7 @@ async def load(
 class Peer:
     """The naive pipeline: sentence-transformers encode -> FAISS -> cross-encoder fp32, per request."""
 
-    def __init__(self, bundle_dir: str) -> None:
+    def __init__(self, bundle_dir: str, cross_dir: str | None = None) -> None:
         import torch
         from sentence_transformers import SentenceTransformer
 
@@ -137,7 +137,7 @@ class Peer:
             )
         self.bundle = bundle
         self.encoder = SentenceTransformer(str(resolve_base_model("default")), device="cpu")
-        self.cross = load_checkpoint(bundle.model_dir("cross"), "cpu", expect="cross")
+        self.cross = load_checkpoint(cross_dir or bundle.model_dir("cross"), "cpu", expect="cross")
         self.torch = torch
 
     def __call__(self, context: list[str], n_r: int) -> tuple[int, dict[str, float]]:
@@ -181,6 +181,12 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0, help="server intra-op threads (0 = its own measurement)")
     p.add_argument("--no-peer", action="store_true")
     p.add_argument(
+        "--peer-cross",
+        default=None,
+        help="the peer's reranker checkpoint (default: the bundle's own); e.g. the 6-layer reranker that "
+        "a smaller served one replaces, to compare at equal quality",
+    )
+    p.add_argument(
         "--fusion",
         default="rerank",
         choices=["rerank", "retrieval"],
@@ -197,7 +203,7 @@ def main() -> None:
     contexts = [list(pair.context) for pair in pairs]
     golds = [normalize(pair.response) for pair in pairs]
     warm = contexts[:5]
-    peer = None if args.no_peer else Peer(args.bundle)
+    peer = None if args.no_peer else Peer(args.bundle, args.peer_cross)
     from coreply.bundle import read_manifest, read_responses
 
     read_manifest(Path(args.bundle))
@@ -245,7 +251,7 @@ def main() -> None:
     for row in rows:
         for side in ("coreply", "peer"):
             row.get(side, {}).pop("top1", None)
-    result = {**provenance(), "bundle": ready, "rows": rows}
+    result = {**provenance(), "bundle": ready, "peer_cross": args.peer_cross, "rows": rows}
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")
 

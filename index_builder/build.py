@@ -76,20 +76,15 @@ def calibrate_zscore(
 ) -> dict[str, Any]:
     """Choose the z-score fusion weight with the best hits@1 on held-out pairs whose gold responses are in
     the pool (the evaluation's own grid search), at ``n_r`` candidates."""
-    from coreply.fusion import drop_echoes
-    from training.evaluation import Retrieved, choose_zscore_weight
+    from training.evaluation import choose_zscore_weight, retrieve_and_rerank
+
+    def retrieve(contexts: Sequence[Sequence[str]], k: int) -> tuple[np.ndarray, np.ndarray]:
+        scores, ids = index.search(backend.encode_contexts(contexts), k)  # [B, k] each
+        return ids, scores
 
     keys = [normalize(t) for t in pool]
-    queries = backend.encode_contexts([p.context for p in pairs])  # [B, D]
-    scores, rows = index.search(queries, n_r + max(len(p.context) for p in pairs))
-    ids, retrieval, rerank = [], [], []
-    for pair, row_ids, row_scores in zip(pairs, rows, scores, strict=True):
-        kept_ids, kept_scores = drop_echoes(pair.context, row_ids, row_scores, keys)
-        ids.append(kept_ids[:n_r])
-        retrieval.append(kept_scores[:n_r].astype(float))
-        top = [pool[i] for i in ids[-1]]
-        rerank.append(backend.score_pairs([pair.context] * len(top), top).astype(float))
-    weight = choose_zscore_weight(pairs, keys, Retrieved(ids, retrieval, rerank, 0.0, 0.0), n_r)
+    got = retrieve_and_rerank(pairs, pool, keys, retrieve, n_r, backend.score_pairs, n_r)
+    weight = choose_zscore_weight(pairs, keys, got, n_r)
     return {"zscore_weight": weight, "calibrated_on": f"{len(pairs)} held-out pairs, hits@1 at n_r={n_r}"}
 
 

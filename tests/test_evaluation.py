@@ -94,7 +94,7 @@ def test_evaluate_lists_and_retrieve_and_rerank_run_with_real_models(tiny_model_
     assert all(len(r["ranks"]) == 2 and 1 <= min(r["ranks"]) <= 4 for r in result.values())
     keys = [normalize(t) for t in POOL]
     got = retrieve_and_rerank(
-        pairs, POOL, keys, DenseRetriever(bi, POOL), depth=4, cross=cross, rerank_depth=3
+        pairs, POOL, keys, DenseRetriever(bi, POOL), depth=4, score_pairs=cross.score_pairs, rerank_depth=3
     )
     assert [len(x) for x in got.rerank] == [3, 3]
     assert all(keys[i] != "hello" for i in got.ids[0])  # the echo of turn 1 is gone

@@ -89,6 +89,9 @@ def evaluate_lists(
 Retrieve = Callable[[Sequence[Sequence[str]], int], tuple[np.ndarray, np.ndarray]]
 """(contexts, k) -> (pool indices [B, k], scores [B, k]), best first."""
 
+ScorePairs = Callable[[Sequence[Sequence[str]], Sequence[str]], np.ndarray]
+"""(contexts [N], responses [N]) -> reranker scores [N]: a cross-encoder, or a serving backend."""
+
 
 class BM25Retriever:
     """BM25 over the pool (``bm25s``); the query is the context's utterances joined."""
@@ -141,10 +144,10 @@ def retrieve_and_rerank(
     pool_keys: Sequence[str],
     retrieve: Retrieve,
     depth: int,
-    cross: CrossEncoder | None,
+    score_pairs: ScorePairs | None,
     rerank_depth: int,
 ) -> Retrieved:
-    """Retrieve ``depth`` echo-free candidates per query and cross-score the first ``rerank_depth``."""
+    """Retrieve ``depth`` echo-free candidates per query and rerank-score the first ``rerank_depth``."""
     contexts = [p.context for p in pairs]
     start = time.perf_counter()
     extra = max(
@@ -159,12 +162,10 @@ def retrieve_and_rerank(
     retrieve_s = time.perf_counter() - start
     start = time.perf_counter()
     rerank = []
-    if cross is not None:
+    if score_pairs is not None:
         for context, row in zip(contexts, ids, strict=True):
             top = row[:rerank_depth]
-            rerank.append(
-                cross.score_pairs([context] * len(top), [pool[i] for i in top]).numpy().astype(float)
-            )
+            rerank.append(np.asarray(score_pairs([context] * len(top), [pool[i] for i in top]), dtype=float))
     return Retrieved(ids, retrieval, rerank, retrieve_s, time.perf_counter() - start)
 
 

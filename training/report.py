@@ -72,7 +72,8 @@ def run_eval(spec: EvalSpec) -> dict[str, Any]:
                     raise ValueError("retriever 'bi' needs --bi")
                 retrieve, label = DenseRetriever(bi, spec.pool), bi_name  # type: ignore[assignment]
             t0 = time.perf_counter()
-            got = retrieve_and_rerank(spec.test, spec.pool, keys, retrieve, depth, cross, max(spec.n_r))
+            score = None if cross is None else lambda c, r: cross.score_pairs(c, r).numpy()
+            got = retrieve_and_rerank(spec.test, spec.pool, keys, retrieve, depth, score, max(spec.n_r))
             per_case_ms = 1000 * got.retrieve_s / len(spec.test)
             result["B"].append(
                 _row(
@@ -84,7 +85,7 @@ def run_eval(spec: EvalSpec) -> dict[str, Any]:
             if cross is None:
                 continue
             valid_got = (
-                retrieve_and_rerank(spec.valid, spec.pool, keys, retrieve, depth, cross, max(spec.n_r))
+                retrieve_and_rerank(spec.valid, spec.pool, keys, retrieve, depth, score, max(spec.n_r))
                 if spec.valid
                 else None
             )
