@@ -102,6 +102,44 @@ def test_independent_and_distill_modes(tmp_path, tiny_model_dir, toy_pairs):
     assert "bi_kl" in records(tmp_path / "distill")[1]
 
 
+def test_distill_into_a_smaller_cross_encoder(tmp_path, tiny_model_dir, toy_pairs):
+    """``--models cross``: a 1-layer reranker learns CE + gamma_G * KL(teacher || student); the teacher
+    (the 2-layer reranker trained alone) stays frozen."""
+    indep = config(
+        tmp_path, tiny_model_dir, mode="independent", models="cross", output_dir=str(tmp_path / "t")
+    )
+    Trainer(indep, toy_pairs, toy_pairs[:8], pool_of(toy_pairs)).fit()
+    small = ModelConfig(base_model=str(tiny_model_dir), dropout=0.0, num_layers=1)
+    cfg = config(
+        tmp_path,
+        tiny_model_dir,
+        mode="distill",
+        models="cross",
+        teacher=str(tmp_path / "t" / "cross"),
+        model=small,
+    )
+    trainer = Trainer(cfg, toy_pairs, toy_pairs[:8], pool_of(toy_pairs))
+    assert trainer.bi is None and len(trainer.cross.backbone.encoder.layer) == 1
+    assert len(trainer.teacher.backbone.encoder.layer) == 2
+    trainer.cross.eval()
+    pairs, rng = trainer._global_batch(0, 0)
+    lists = trainer._candidate_lists(pairs, rng)
+    trainer._micro_step(pairs, lists, 1.0, StepLosses())
+    got = [p.grad.clone() for p in trainer.cross.parameters()]
+    contexts = [p.context for p in pairs]
+    K = trainer._cross_scores(trainer.teacher, contexts, lists)
+    G = trainer._cross_scores(trainer.cross, contexts, lists)
+    loss = listwise_ce(G) + cfg.gamma_g * kl_to_target(K, G, cfg.tau)
+    want = torch.autograd.grad(loss, list(trainer.cross.parameters()))
+    for a, b in zip(got, want, strict=True):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
+    assert all(p.grad is None for p in trainer.teacher.parameters())
+    trainer.cross.zero_grad(set_to_none=True)
+    summary = trainer.fit()
+    assert set(summary["best_valid_hits@1"]) == {"cross"} and "cross_kl" in records(tmp_path / "run")[1]
+    assert load_checkpoint(tmp_path / "run" / "cross", expect="cross").config.num_layers == 1
+
+
 @pytest.mark.parametrize("lora_rank", [0, 4])
 def test_resume_continues_exactly_where_an_interrupted_run_stopped(
     tmp_path, tiny_model_dir, toy_pairs, monkeypatch, lora_rank

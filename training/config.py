@@ -17,7 +17,8 @@ class TrainConfig:
 
     mode: Mode = "core"
     output_dir: str = "runs/core"
-    models: Literal["both", "bi", "cross"] = "both"  # which models `independent` trains
+    models: Literal["both", "bi", "cross"] = "both"  # which models `independent` trains;
+    # `distill`: "cross" makes the student a (smaller) cross-encoder, anything else the bi-encoder
     teacher: str | None = None  # cross-encoder checkpoint for `distill`
     init_bi: str | None = None  # start from these checkpoints instead of the base model
     init_cross: str | None = None
@@ -69,10 +70,12 @@ class TrainConfig:
 
     @property
     def trains_bi(self) -> bool:
+        if self.mode == "distill":
+            return self.models != "cross"
         return self.mode != "independent" or self.models in ("both", "bi")
 
     @property
     def trains_cross(self) -> bool:
-        return self.mode in ("core", "mutual") or (
-            self.mode == "independent" and self.models in ("both", "cross")
-        )
+        if self.mode == "distill":
+            return self.models == "cross"
+        return self.mode in ("core", "mutual") or self.models in ("both", "cross")

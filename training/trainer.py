@@ -1,7 +1,8 @@
 """One trainer for every mode:
 
 * ``independent``: each model alone, cross-entropy over 1 positive + delta_r negatives (paper Eq. 2).
-* ``distill``: a frozen, trained cross-encoder teaches the bi-encoder: CE + gamma_R * KL(K || A).
+* ``distill``: a frozen, trained cross-encoder K teaches the bi-encoder: CE + gamma_R * KL(K || A); with
+  ``models="cross"`` it teaches a (smaller) cross-encoder instead: CE + gamma_G * KL(K || G).
 * ``core``: both models on the same lists; retriever CE + gamma_R * KL(K || A), reranker
   CE + gamma_G * KL(A || K), each KL target detached (CORE, Eqs. 3-6 and Algorithm 1).
 * ``mutual``: the precursor's Algorithm 1: update the retriever, recompute its predictions, then update
@@ -219,9 +220,12 @@ class Trainer:
             elif cfg.mode == "distill":
                 with torch.no_grad():
                     K = self._cross_scores(self.teacher, contexts, lists)
-                self._backward(
-                    "bi", listwise_ce(R_ce, R_targets), cfg.gamma_r * kl_to_target(K, R, cfg.tau), scale, logs
-                )
+                if R is not None:
+                    kl = cfg.gamma_r * kl_to_target(K, R, cfg.tau)
+                    self._backward("bi", listwise_ce(R_ce, R_targets), kl, scale, logs)
+                else:
+                    kl = cfg.gamma_g * kl_to_target(K, G, cfg.tau)
+                    self._backward("cross", listwise_ce(G), kl, scale, logs)
             elif cfg.mode == "core":
                 # Both losses from the same forward pass; each KL target is detached inside kl_to_target.
                 self._backward(
