@@ -4,8 +4,9 @@ code, the shed count (503), and latency of the admitted (200) requests. Loopback
 
     python bench/load.py --bundle artifacts/default-bundle --factor 3 --seconds 60 --out docs/load-cpu.json
 
-Capacity is measured first with one closed-loop client (requests/s at concurrency 1), unless --rps
-gives the rate directly.
+Capacity is measured first with one closed-loop client (requests/s at concurrency 1) sending the same
+request, unless --rps gives the rate directly. The load-adaptive cascade is off unless --cascade is
+given; with it, the answers it degraded are counted by level.
 """
 
 from __future__ import annotations
@@ -27,18 +28,24 @@ from bench import (  # bench/bench.py: this script's directory is on sys.path
 )
 
 
-async def open_loop(url: str, contexts: list[list[str]], rps: float, seconds: float) -> dict:
+async def open_loop(
+    url: str, contexts: list[list[str]], rps: float, seconds: float, n_r: int, fusion: str
+) -> dict:
     """Send one request every 1/rps seconds for ``seconds``; wait for all of them."""
     codes: Counter[str] = Counter()
+    degraded: Counter[str] = Counter()
     admitted_ms: list[float] = []
 
     async def one(client: httpx.AsyncClient, context: list[str]) -> None:
         start = time.perf_counter()
         try:
-            r = await client.post(url + "/respond", json={"context": context})
+            body = {"context": context, "n_candidates": n_r, "fusion": fusion}
+            r = await client.post(url + "/respond", json=body)
             codes[str(r.status_code)] += 1
             if r.status_code == 200:
                 admitted_ms.append(1000 * (time.perf_counter() - start))
+                level = (r.json().get("degraded") or {}).get("level", 0)
+                degraded[f"level_{level}"] += 1
         except httpx.HTTPError as exc:
             codes[type(exc).__name__] += 1
 
@@ -58,6 +65,7 @@ async def open_loop(url: str, contexts: list[list[str]], rps: float, seconds: fl
         "sent_rps": round(i / sent_s, 1),
         "codes": dict(codes),
         "shed_503": codes.get("503", 0),
+        "admitted_by_cascade_level": dict(sorted(degraded.items())),
         "admitted_latency_ms": percentiles(admitted_ms) if admitted_ms else None,
     }
 
@@ -69,20 +77,24 @@ def main() -> None:
     p.add_argument("--rps", type=float, default=None, help="offered requests/s (skips the capacity run)")
     p.add_argument("--seconds", type=float, default=60.0)
     p.add_argument("--queue-max", type=int, default=256, help="COREPLY_QUEUE_MAX for the server")
+    p.add_argument("--n-r", type=int, default=10, help="n_candidates of every request")
+    p.add_argument("--fusion", default="retrieval", help="fusion of every request")
+    p.add_argument("--cascade", action="store_true", help="leave the load-adaptive cascade on")
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
     from coreply.corpus import load_chitchat
 
     contexts = [list(pair.context) for pair in load_chitchat()["test"][:200]]
-    server = Server(args.bundle, threads=0, env={"COREPLY_QUEUE_MAX": str(args.queue_max)})
+    env = {"COREPLY_QUEUE_MAX": str(args.queue_max), "COREPLY_CASCADE": str(args.cascade).lower()}
+    server = Server(args.bundle, threads=0, env=env)
     try:
-        asyncio.run(load(server.url, contexts[:10], 10, 1, "retrieval"))  # warm-up
+        asyncio.run(load(server.url, contexts[:10], args.n_r, 1, args.fusion))  # warm-up
         capacity = None
         if args.rps is None:
-            capacity = asyncio.run(load(server.url, contexts[:100], 10, 1, "retrieval"))["rps"]
+            capacity = asyncio.run(load(server.url, contexts[:100], args.n_r, 1, args.fusion))["rps"]
         rps = args.rps or args.factor * capacity
-        result = asyncio.run(open_loop(server.url, contexts, rps, args.seconds))
+        result = asyncio.run(open_loop(server.url, contexts, rps, args.seconds, args.n_r, args.fusion))
         ready = httpx.get(server.url + "/readyz").json()
     finally:
         server.stop()
@@ -93,6 +105,8 @@ def main() -> None:
         "offered_rps": round(rps, 1),
         "seconds": args.seconds,
         "queue_max": args.queue_max,
+        "request": {"n_candidates": args.n_r, "fusion": args.fusion},
+        "cascade": args.cascade,
         **result,
     }
     Path(args.out).write_text(json.dumps(report, indent=2))

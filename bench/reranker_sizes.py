@@ -28,9 +28,8 @@ def main() -> None:
     for layers in (6, 3, 2):
         for tokens in (128, 96, 64):
             cross = CrossEncoder.from_pretrained(
-                ModelConfig(max_context_tokens=tokens - 31, max_response_tokens=32)
+                ModelConfig(max_context_tokens=tokens - 31, max_response_tokens=32, num_layers=layers)
             ).eval()
-            cross.backbone.encoder.layer = cross.backbone.encoder.layer[:layers]
             with tempfile.TemporaryDirectory() as tmp:
                 export_onnx(bi, cross, Path(tmp))
                 backend = OnnxBackend(Path(tmp), bi.tokenizer, cross.tokenizer, bi.dim, threads=2)
