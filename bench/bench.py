@@ -183,8 +183,8 @@ def main() -> None:
     p.add_argument(
         "--peer-cross",
         default=None,
-        help="the peer's reranker checkpoint (default: the bundle's own); e.g. the 6-layer reranker that "
-        "a smaller served one replaces, to compare at equal quality",
+        help="the peer's reranker checkpoint (default: the bundle's own), e.g. the 6-layer reranker that "
+        "a smaller served one replaces",
     )
     p.add_argument(
         "--fusion",
