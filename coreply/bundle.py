@@ -22,9 +22,11 @@ import shutil
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from coreply.checkpoint import (
     CheckpointError,
@@ -196,6 +198,34 @@ def load_bundle(path: str | Path, verify: bool = True) -> Bundle:
     )
     apply_search_params(index, info.get("search_params", ""))
     return Bundle(root, manifest, index, texts, [normalize(t) for t in texts])
+
+
+class TorchExactIndex:
+    """Exact inner-product search as one matmul and a top-k on a torch device: on a GPU host this keeps
+    the search off the host CPU. Same ``search`` / ``ntotal`` contract as the FAISS index it copies."""
+
+    def __init__(self, index: Any, device: str) -> None:
+        import torch
+
+        self.ntotal = index.ntotal
+        self.vectors = torch.from_numpy(index.reconstruct_n(0, index.ntotal)).to(device)  # [N, D]
+
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """queries [Q, D] -> (scores [Q, k], ids [Q, k]), best first; k is capped at ntotal."""
+        import torch
+
+        with torch.inference_mode():
+            q = torch.from_numpy(np.ascontiguousarray(queries, dtype="float32")).to(self.vectors.device)
+            scores, ids = torch.topk(q @ self.vectors.T, min(k, self.ntotal), dim=1)  # [Q, k] x2
+        return scores.cpu().numpy(), ids.cpu().numpy()
+
+
+def search_on(bundle: Bundle, device: str) -> Bundle:
+    """The bundle with its exact index searched on ``device`` when that is not the CPU; an approximate
+    index (IVF, HNSW, ...) stays in FAISS on the CPU."""
+    if device == "cpu" or bundle.manifest["index"]["factory"] != "Flat":
+        return bundle
+    return replace(bundle, index=TorchExactIndex(bundle.index, device))
 
 
 def make_backend(bundle: Bundle, backend: str = "auto", threads: int = 1, device: str = "cpu"):

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from coreply.device import autocast
 from coreply.models import BiEncoder, CrossEncoder, batched
 from coreply.tokenization import Batch, DialogueTokenizer
 
@@ -37,7 +38,7 @@ class Backend(Protocol):
 
 
 class TorchBackend:
-    """The models themselves (CPU fp32, or CUDA under bf16 autocast via the callers' device)."""
+    """The models themselves: fp32 on CPU, bf16 autocast on CUDA (the same numerics as training)."""
 
     def __init__(self, bi: BiEncoder, cross: CrossEncoder | None, batch_size: int = 64) -> None:
         self.name = "torch"
@@ -46,15 +47,18 @@ class TorchBackend:
         self.has_reranker = cross is not None
 
     def encode_contexts(self, contexts: Sequence[Sequence[str]]) -> np.ndarray:
-        return self.bi.embed_contexts(contexts, self.batch_size).numpy()
+        with autocast(self.bi.device):
+            return self.bi.embed_contexts(contexts, self.batch_size).numpy()
 
     def encode_responses(self, responses: Sequence[str]) -> np.ndarray:
-        return self.bi.embed_responses(responses, 2 * self.batch_size).numpy()
+        with autocast(self.bi.device):
+            return self.bi.embed_responses(responses, 2 * self.batch_size).numpy()
 
     def score_pairs(self, contexts: Sequence[Sequence[str]], responses: Sequence[str]) -> np.ndarray:
         if self.cross is None:
             raise RuntimeError("this bundle has no reranker")
-        return self.cross.score_pairs(contexts, responses, self.batch_size).numpy()
+        with autocast(self.cross.device):
+            return self.cross.score_pairs(contexts, responses, self.batch_size).numpy()
 
 
 # ------------------------------------------------------------------------------------------- export

@@ -31,7 +31,7 @@ from coreply.bundle import (
 from coreply.checkpoint import load_bi, load_checkpoint, read_meta, save_checkpoint
 from coreply.config import ZERO_SHOT
 from coreply.corpus import Pair, build_pool
-from coreply.device import autocast, resolve_device
+from coreply.device import resolve_device
 from coreply.inference import Backend, export_onnx
 from coreply.text import normalize
 from index_builder.faiss_index import EXACT, make_index, recall_vs_exact
@@ -140,16 +140,14 @@ def build_bundle(
         bundle = Bundle(tmp, manifest, None, list(pool), [])
         backend = make_backend(bundle, "onnx" if use_onnx else "torch", _threads(), str(torch_device))
         encode_start = time.perf_counter()
-        with autocast(torch_device):
-            vectors = encode_pool(backend, pool, progress=progress)
-            query_vectors = backend.encode_contexts(list(queries)) if queries else None
+        vectors = encode_pool(backend, pool, progress=progress)
+        query_vectors = backend.encode_contexts(list(queries)) if queries else None
         encode_s = time.perf_counter() - encode_start
         index = make_index(vectors, factory)
         apply_search_params(index, search_params)
         recall = recall_vs_exact(index, vectors, query_vectors) if query_vectors is not None else {}
         if cross_model is not None and calibration:
-            with autocast(torch_device):
-                manifest["fusion"] = calibrate_zscore(backend, index, pool, calibration)
+            manifest["fusion"] = calibrate_zscore(backend, index, pool, calibration)
         import faiss
 
         faiss.write_index(index, str(tmp / INDEX))

@@ -185,9 +185,9 @@ class Engine:
 
 def load_engine(settings: Settings, metrics: Metrics) -> Engine:
     """Load and verify the bundle, pick the thread count, build the engine (not yet started)."""
-    from coreply.bundle import load_bundle
+    from coreply.bundle import load_bundle, search_on
 
-    bundle = load_bundle(settings.bundle)
+    bundle = search_on(load_bundle(settings.bundle), settings.device)
     if settings.threads:
         threads = settings.threads
         backend = make_backend(bundle, settings.backend, threads, settings.device)

@@ -8,7 +8,7 @@ import pytest
 from conftest import toy_pool
 from tiny import WORDS
 
-from coreply.bundle import MANIFEST, BundleError, load_bundle, make_backend
+from coreply.bundle import MANIFEST, BundleError, TorchExactIndex, load_bundle, make_backend, search_on
 from coreply.checkpoint import content_hash, hash_tree, write_json_atomic
 from coreply.text import normalize
 from index_builder.build import add_responses, build_bundle
@@ -209,3 +209,29 @@ def test_recall_vs_exact_measures_misses():
     assert narrow < 0.9 and recall_vs_exact(ivf, vectors, queries)["recall@10"] == 1.0
     with pytest.raises(ValueError, match="do not fit"):
         apply_search_params(ivf, "efSearch=10")
+
+
+def flat_index_and_queries(n: int = 500, dim: int = 16):
+    import faiss
+
+    rng = np.random.default_rng(0)
+    index = faiss.IndexFlatIP(dim)
+    index.add(rng.standard_normal((n, dim)).astype("float32"))
+    return index, rng.standard_normal((7, dim)).astype("float32")
+
+
+def test_torch_exact_search_returns_what_faiss_flat_returns():
+    index, queries = flat_index_and_queries()
+    want_scores, want_ids = index.search(queries, 10)
+    got_scores, got_ids = TorchExactIndex(index, "cpu").search(queries, 10)
+    np.testing.assert_array_equal(got_ids, want_ids)
+    np.testing.assert_allclose(got_scores, want_scores, rtol=1e-5, atol=1e-5)
+    assert TorchExactIndex(index, "cpu").search(queries, 10_000)[1].shape == (7, 500)  # k capped at ntotal
+
+
+def test_search_moves_only_exact_indexes_and_only_off_the_cpu(tiny_bundle):
+    bundle = load_bundle(tiny_bundle)
+    assert search_on(bundle, "cpu") is bundle
+    approximate = load_bundle(tiny_bundle)
+    approximate.manifest["index"]["factory"] = "HNSW32"
+    assert search_on(approximate, "cuda") is approximate  # stays in FAISS; CUDA is never touched

@@ -74,3 +74,15 @@ def test_bundle_built_on_cuda_serves_like_cpu(tmp_path, tiny_core, toy_pairs):
             body = c.post("/respond", json={"context": list(question), "fusion": "sum"}).json()
             answers.append(body["responses"][0]["text"])
     assert answers[0] == answers[1] == toy_pairs[0].response
+
+
+def test_exact_search_on_cuda_returns_what_faiss_returns():
+    from test_bundle import flat_index_and_queries
+
+    from coreply.bundle import TorchExactIndex
+
+    index, queries = flat_index_and_queries()
+    want_scores, want_ids = index.search(queries, 10)
+    got_scores, got_ids = TorchExactIndex(index, "cuda").search(queries, 10)
+    assert (got_ids == want_ids).mean() > 0.95  # TF32 / reduction order may swap near-ties
+    assert abs(got_scores - want_scores).max() < 1e-2
