@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime as dt
 import platform
+import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -57,8 +58,8 @@ def encode_pool(
 
 
 def _place_model(spec: str, kind: str, dest: Path, device: str):
-    """Put the model named by ``spec`` into ``dest`` (files copied, so its content hash is unchanged)
-    and return it loaded."""
+    """Put the model named by ``spec`` into ``dest`` and return it loaded. Files are copied, never
+    hard-linked: the source is a training directory its owner may overwrite in place."""
     if kind == "bi" and spec == ZERO_SHOT:
         model = load_bi(ZERO_SHOT, device)
         save_checkpoint(model, dest, extra={"source": "all-MiniLM-L6-v2 as published (zero-shot, untrained)"})
@@ -67,7 +68,8 @@ def _place_model(spec: str, kind: str, dest: Path, device: str):
     read_meta(src)  # verified before copying
     for path in sorted(src.rglob("*")):
         if path.is_file():
-            link_or_copy(path, dest / path.relative_to(src))
+            (dest / path.relative_to(src)).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, dest / path.relative_to(src))
     return load_checkpoint(dest, device, expect=kind)
 
 

@@ -235,3 +235,18 @@ def test_search_moves_only_exact_indexes_and_only_off_the_cpu(tiny_bundle):
     approximate = load_bundle(tiny_bundle)
     approximate.manifest["index"]["factory"] = "HNSW32"
     assert search_on(approximate, "cuda") is approximate  # stays in FAISS; CUDA is never touched
+
+
+def test_a_bundle_owns_copies_of_its_models(tmp_path, tiny_core):
+    """Overwriting the training checkpoint in place (a resumed run, a `cp` over it) leaves the bundle
+    intact: the builder copies model files rather than hard-linking them."""
+    source = tmp_path / "bi"
+    shutil.copytree(tiny_core / "bi", source)
+    build_bundle(tmp_path / "bundle", toy_pool(), bi=str(source), onnx="none", progress=False)
+    weights = next(p for p in source.rglob("*.safetensors"))
+    with open(weights, "r+b") as fh:  # in place: same inode, last byte flipped
+        fh.seek(-1, 2)
+        last = fh.read(1)[0]
+        fh.seek(-1, 2)
+        fh.write(bytes([last ^ 1]))
+    load_bundle(tmp_path / "bundle")  # every hash still matches
