@@ -316,15 +316,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         if getattr(args, k) is not None
     }
     settings = Settings(**overrides)
-    if not (settings.bundle / MANIFEST).is_file():
-        if settings.bundle != DEFAULT_BUNDLE:
-            raise CliError(f"no bundle at {settings.bundle}; build one with `coreply index build -o DIR`")
-        from index_builder.default import build_default_bundle
+    if settings.bundle == DEFAULT_BUNDLE:
+        from index_builder.default import ensure_default_bundle
 
-        print(
-            f"building the default bundle in {settings.bundle} (first start only; a few minutes)", flush=True
-        )
-        build_default_bundle(settings.bundle)
+        ensure_default_bundle(settings.bundle)
+    elif not (settings.bundle / MANIFEST).is_file():
+        raise CliError(f"no bundle at {settings.bundle}; build one with `coreply index build -o DIR`")
     else:  # fail fast with a clear message rather than inside the server's lifespan
         from coreply.bundle import read_manifest
 

@@ -5,7 +5,7 @@ Recipe: the CORE-trained bi-encoder in ``coreply/weights/core-lora-bi`` (low-ran
 all-MiniLM-L6-v2, scaled cosine, one shared tower; provenance and measured metrics in its
 ``checkpoint.json`` and in ``coreply/weights/README.md``) as the retriever over every distinct response
 of the chitchat corpus (124,141), int8 ONNX, exact inner-product search. No reranker: the CORE
-cross-encoder trained on this CPU budget ranks worse than the retriever alone (docs/results.md §6).
+cross-encoder of the same run is still below the retriever (docs/results.md §7).
 """
 
 from __future__ import annotations
@@ -34,3 +34,20 @@ def build_default_bundle(out: str | Path, progress: bool = True) -> dict[str, An
         pool_source="chitchat-dataset 0.9.0, all splits",
         progress=progress,
     )
+
+
+def ensure_default_bundle(path: Path) -> None:
+    """Build the default bundle at ``path`` when it is missing, or rebuild it when it was built from
+    other shipped weights than the ones in this checkout (so pulling new weights takes effect)."""
+    from coreply.bundle import MANIFEST, read_manifest
+    from coreply.checkpoint import read_meta
+
+    if (path / MANIFEST).is_file():
+        built = read_manifest(path, verify=False)["models"]["bi"].get("content_hash")
+        if built == read_meta(DEFAULT_BI)["content_hash"]:
+            return  # the server verifies every file when it loads the bundle
+        why = "the shipped retriever changed since it was built"
+    else:
+        why = "first start only"
+    print(f"building the default bundle in {path} ({why}; a few minutes)", flush=True)
+    build_default_bundle(path)

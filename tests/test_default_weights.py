@@ -28,3 +28,26 @@ def test_shipped_weights_load_as_a_changed_but_close_relative_of_zero_shot():
     agreement = (trained * zero_shot).sum(-1)  # both unit length: cosine per text
     assert (agreement < 0.9999).all()  # the adapters were applied
     assert (agreement > 0.9).all()  # and kept MiniLM's geometry
+
+
+def test_default_bundle_is_rebuilt_when_the_shipped_weights_change(tmp_path, monkeypatch):
+    import json
+
+    from coreply.bundle import FORMAT, MANIFEST
+    from index_builder import default
+
+    built = []
+    monkeypatch.setattr(default, "build_default_bundle", built.append)
+    bundle = tmp_path / "default-bundle"
+
+    def built_from(content_hash: str) -> None:
+        manifest = {"format": FORMAT, "models": {"bi": {"content_hash": content_hash}}}
+        (bundle / MANIFEST).write_text(json.dumps(manifest))
+
+    default.ensure_default_bundle(bundle)  # missing: built
+    bundle.mkdir()
+    built_from("an-earlier-shipped-retriever")
+    default.ensure_default_bundle(bundle)  # stale: rebuilt
+    built_from(read_meta(DEFAULT_BI)["content_hash"])
+    default.ensure_default_bundle(bundle)  # current: kept
+    assert built == [bundle, bundle]
