@@ -27,7 +27,9 @@ def test_shipped_weights_load_as_a_changed_but_close_relative_of_zero_shot():
     zero_shot = load_bi(ZERO_SHOT).embed_responses(texts)
     agreement = (trained * zero_shot).sum(-1)  # both unit length: cosine per text
     assert (agreement < 0.9999).all()  # the adapters were applied
-    assert (agreement > 0.9).all()  # and kept MiniLM's geometry
+    # and kept MiniLM's geometry: 0.84-0.90 for the 2,000-step weights, where unrelated 384-d unit
+    # vectors would give about 0
+    assert (agreement > 0.75).all()
 
 
 def test_default_bundle_is_rebuilt_when_the_shipped_weights_change(tmp_path, monkeypatch):
