@@ -68,8 +68,9 @@ def _place_model(spec: str, kind: str, dest: Path, device: str):
     read_meta(src)  # verified before copying
     for path in sorted(src.rglob("*")):
         if path.is_file():
-            (dest / path.relative_to(src)).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(path, dest / path.relative_to(src))
+            target = dest / path.relative_to(src)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, target)
     return load_checkpoint(dest, device, expect=kind)
 
 

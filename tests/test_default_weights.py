@@ -1,6 +1,7 @@
 """The CORE-trained retriever shipped in the repository for the default bundle."""
 
 import pytest
+import torch
 
 from coreply.checkpoint import base_weights, read_meta, sha256_file
 from coreply.config import ModelConfig
@@ -25,11 +26,13 @@ def test_shipped_weights_load_as_a_changed_but_close_relative_of_zero_shot():
     texts = ["yes, a dog named max.", "the weather is cold today.", "i love pizza"]
     trained = load_bi(DEFAULT_BI).embed_responses(texts)
     zero_shot = load_bi(ZERO_SHOT).embed_responses(texts)
-    agreement = (trained * zero_shot).sum(-1)  # both unit length: cosine per text
+    cosines = trained @ zero_shot.T  # [3, 3], both unit length
+    agreement = cosines.diagonal()  # each text against itself
     assert (agreement < 0.9999).all()  # the adapters were applied
-    # and kept MiniLM's geometry: 0.84-0.90 for the 2,000-step weights, where unrelated 384-d unit
-    # vectors would give about 0
-    assert (agreement > 0.75).all()
+    # and kept MiniLM's geometry: each text stays closest to its own zero-shot embedding, at cosine
+    # 0.84-0.90 for the 2,000-step weights (unrelated 384-d unit vectors would give about 0)
+    assert (cosines.argmax(dim=1) == torch.arange(len(texts))).all()
+    assert (agreement > 0.8).all()
 
 
 def test_default_bundle_is_rebuilt_when_the_shipped_weights_change(tmp_path, monkeypatch):
