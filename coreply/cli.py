@@ -87,7 +87,9 @@ def _train_parser(sub) -> None:
         flag = "--" + f.name.replace("_", "-")
         default = f.default
         if isinstance(default, bool):
-            p.add_argument(flag, action="store_true", default=default)
+            p.add_argument(
+                flag, action=argparse.BooleanOptionalAction if default else "store_true", default=default
+            )
         elif f.name == "models":
             p.add_argument(flag, choices=["both", "bi", "cross"], default=default)
         else:

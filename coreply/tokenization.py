@@ -1,11 +1,21 @@
 """Turning dialogue text into model inputs, with the papers' truncation rule: a context keeps its
-*latest* tokens (cut from the front), a response keeps its *first* tokens (cut at the end)."""
+*latest* tokens (cut from the front), a response keeps its *first* tokens (cut at the end).
+
+Two layers, so that text is tokenised once and inputs are assembled from token ids:
+
+* :meth:`DialogueTokenizer.pieces` turns texts into word-piece ids without special tokens, from a cache
+  filled by :meth:`DialogueTokenizer.warm` (training warms it with the whole corpus, so no step calls the
+  Hugging Face tokenizer); texts not in the cache are tokenised on the spot and not kept.
+* ``context_body`` / ``response_body`` / ``pair_row`` apply the cuts and the ``[CLS]``/``[SEP]`` layout to
+  ids. Every input the models ever see, in training, evaluation and serving, goes through them.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
@@ -20,10 +30,54 @@ class Batch:
     attention_mask: torch.Tensor
     token_type_ids: torch.Tensor
 
-    def to(self, device: torch.device) -> Batch:
+    def to(self, device: torch.device, non_blocking: bool = False) -> Batch:
         return Batch(
-            self.input_ids.to(device), self.attention_mask.to(device), self.token_type_ids.to(device)
+            self.input_ids.to(device, non_blocking=non_blocking),
+            self.attention_mask.to(device, non_blocking=non_blocking),
+            self.token_type_ids.to(device, non_blocking=non_blocking),
         )
+
+    def pin_memory(self) -> Batch:
+        return Batch(
+            self.input_ids.pin_memory(), self.attention_mask.pin_memory(), self.token_type_ids.pin_memory()
+        )
+
+    @property
+    def tokens(self) -> int:
+        """Real (unpadded) tokens in the batch."""
+        return int(self.attention_mask.sum())
+
+
+def pad_rows(rows: Sequence[Sequence[int]], pad: int, segment_starts: Sequence[int] | None = None) -> Batch:
+    """Right-pad id rows into a :class:`Batch`. ``segment_starts[i]``: where row i's segment 1 begins
+    (pairs); without it every token is segment 0."""
+    lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+    width = int(lengths.max()) if len(rows) else 0
+    ids = np.full((len(rows), width), pad, dtype=np.int64)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = row
+    positions = np.arange(width)[None, :]  # [1, L]
+    mask = positions < lengths[:, None]  # [N, L]
+    types = np.zeros_like(ids)
+    if segment_starts is not None:
+        starts = np.asarray(segment_starts, dtype=np.int64)[:, None]
+        types = ((positions >= starts) & mask).astype(np.int64)
+    return Batch(torch.from_numpy(ids), torch.from_numpy(mask.astype(np.int64)), torch.from_numpy(types))
+
+
+def token_budget_chunks(lengths: Sequence[int], max_tokens: int) -> list[np.ndarray]:
+    """Row indices in length order, cut into chunks whose padded size (rows x longest row) stays within
+    ``max_tokens`` (a chunk holds at least one row). Padding then costs little: rows of a chunk are alike."""
+    order = np.argsort(np.asarray(lengths), kind="stable")
+    chunks, start = [], 0
+    for end in range(1, len(order) + 1):
+        # rows [start, end) padded to the length of order[end - 1], the longest so far
+        if end - start > 1 and (end - start) * lengths[order[end - 1]] > max_tokens:
+            chunks.append(order[start : end - 1])
+            start = end - 1
+    if start < len(order):
+        chunks.append(order[start:])
+    return chunks
 
 
 class DialogueTokenizer:
@@ -44,56 +98,91 @@ class DialogueTokenizer:
         self.cls = tokenizer.cls_token_id
         self.sep = tokenizer.sep_token_id
         self.pad = tokenizer.pad_token_id
+        self._cache: dict[str, list[int]] = {}
 
-    def _pieces(self, texts: Sequence[str]) -> list[list[int]]:
+    # ------------------------------------------------------------------------------ text -> pieces
+
+    def _tokenize(self, texts: Sequence[str]) -> list[list[int]]:
         if not texts:
             return []
         return self.hf(list(texts), add_special_tokens=False)["input_ids"]
 
-    def _context_body(self, turns: Sequence[str]) -> list[int]:
-        """u1 [SEP] u2 [SEP] ... un, then cut from the front to fit ``[CLS] body [SEP]``."""
+    def warm(self, texts: Iterable[str], chunk: int = 4096) -> int:
+        """Tokenise ``texts`` once (batched) and keep their ids; returns how many were new."""
+        todo = [t for t in dict.fromkeys(texts) if t not in self._cache]
+        for start in range(0, len(todo), chunk):
+            part = todo[start : start + chunk]
+            self._cache.update(zip(part, self._tokenize(part), strict=True))
+        return len(todo)
+
+    @property
+    def cached(self) -> int:
+        return len(self._cache)
+
+    def pieces(self, texts: Sequence[str]) -> list[list[int]]:
+        """Word-piece ids of each text (no special tokens, no cut)."""
+        missing = [t for t in dict.fromkeys(texts) if t not in self._cache]
+        fresh = dict(zip(missing, self._tokenize(missing), strict=True))
+        return [self._cache[t] if t in self._cache else fresh[t] for t in texts]
+
+    # ------------------------------------------------------------------------------ pieces -> rows
+
+    def context_body(self, turns: Sequence[list[int]]) -> list[int]:
+        """u1 [SEP] u2 [SEP] ... un of the last ``max_turns`` turns, cut from the front to fit
+        ``[CLS] body [SEP]``."""
         body: list[int] = []
-        for i, piece in enumerate(self._pieces(turns[-self.config.max_turns :])):
+        for i, piece in enumerate(turns[-self.config.max_turns :]):
             if i:
                 body.append(self.sep)
             body.extend(piece)
         keep = self.config.max_context_tokens - 2
         return body[-keep:] if len(body) > keep else body
 
-    def _response_bodies(self, responses: Sequence[str]) -> list[list[int]]:
-        keep = self.config.max_response_tokens - 2
-        return [piece[:keep] for piece in self._pieces(responses)]
+    def response_body(self, piece: list[int]) -> list[int]:
+        return piece[: self.config.max_response_tokens - 2]
+
+    def single_row(self, body: list[int]) -> list[int]:
+        """``[CLS] body [SEP]``: a context or a response for the bi-encoder."""
+        return [self.cls, *body, self.sep]
+
+    def pair_row(self, context_body: list[int], response_body: list[int]) -> tuple[list[int], int]:
+        """``[CLS] context [SEP] response [SEP]`` and where the response segment starts."""
+        return [self.cls, *context_body, self.sep, *response_body, self.sep], len(context_body) + 2
+
+    def context_bodies(self, contexts: Sequence[Sequence[str]]) -> list[list[int]]:
+        turns = [list(c[-self.config.max_turns :]) for c in contexts]
+        flat = self.pieces([t for c in turns for t in c])
+        out, start = [], 0
+        for c in turns:
+            out.append(self.context_body(flat[start : start + len(c)]))
+            start += len(c)
+        return out
+
+    def response_bodies(self, responses: Sequence[str]) -> list[list[int]]:
+        return [self.response_body(p) for p in self.pieces(responses)]
+
+    # ------------------------------------------------------------------------------ batches
+
+    def batch_singles(self, bodies: Sequence[list[int]]) -> Batch:
+        return pad_rows([self.single_row(b) for b in bodies], self.pad)
+
+    def batch_pairs(self, context_bodies: Sequence[list[int]], response_bodies: Sequence[list[int]]) -> Batch:
+        """One row per (context_bodies[i], response_bodies[i])."""
+        if len(context_bodies) != len(response_bodies):
+            raise ValueError("pairs() needs as many contexts as responses")
+        rows = [self.pair_row(c, r) for c, r in zip(context_bodies, response_bodies, strict=True)]
+        return pad_rows([r for r, _ in rows], self.pad, [s for _, s in rows])
 
     def contexts(self, contexts: Sequence[Sequence[str]]) -> Batch:
-        return self._pad([[self.cls, *self._context_body(c), self.sep] for c in contexts])
+        return self.batch_singles(self.context_bodies(contexts))
 
     def responses(self, responses: Sequence[str]) -> Batch:
-        return self._pad([[self.cls, *body, self.sep] for body in self._response_bodies(responses)])
+        return self.batch_singles(self.response_bodies(responses))
 
     def pairs(self, contexts: Sequence[Sequence[str]], responses: Sequence[str]) -> Batch:
         """One row per (contexts[i], responses[i])."""
         if len(contexts) != len(responses):
             raise ValueError("pairs() needs as many contexts as responses")
-        rows, segments = [], []
-        bodies: dict[tuple[str, ...], list[int]] = {}
-        for context, body in zip(contexts, self._response_bodies(responses), strict=True):
-            key = tuple(context)
-            if key not in bodies:
-                bodies[key] = self._context_body(context)
-            head = [self.cls, *bodies[key], self.sep]
-            tail = [*body, self.sep]
-            rows.append(head + tail)
-            segments.append([0] * len(head) + [1] * len(tail))
-        return self._pad(rows, segments)
-
-    def _pad(self, rows: list[list[int]], segments: list[list[int]] | None = None) -> Batch:
-        width = max((len(r) for r in rows), default=0)
-        ids = torch.full((len(rows), width), self.pad, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        types = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, row in enumerate(rows):
-            ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-            mask[i, : len(row)] = 1
-            if segments is not None:
-                types[i, : len(row)] = torch.tensor(segments[i], dtype=torch.long)
-        return Batch(ids, mask, types)
+        unique = list(dict.fromkeys(tuple(c) for c in contexts))
+        bodies = dict(zip(unique, self.context_bodies(unique), strict=True))
+        return self.batch_pairs([bodies[tuple(c)] for c in contexts], self.response_bodies(responses))

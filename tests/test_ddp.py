@@ -59,7 +59,7 @@ def run(rank: int, world: int, port: int, model_dir: str, out: str, batch_size: 
         real_step(name)
 
     trainer._optimizer_step = record_then_step
-    losses = [trainer.train_step(0, i) for i in range(STEPS)]
+    losses = [trainer.reduce_losses(trainer.train_step(0, i)) for i in range(STEPS)]
     if rank == 0:
         Path(out, f"losses-{world}.json").write_text(json.dumps(losses))
         torch.save(grads, Path(out, f"grads-{world}.pt"))

@@ -44,7 +44,7 @@ def test_core_step_with_bf16_autocast_on_cuda(tmp_path, tiny_model_dir, toy_pair
         valid_size=0,
     )
     trainer = Trainer(cfg, toy_pairs, [], sorted({p.response for p in toy_pairs}))
-    losses = trainer.train_step(0, 0)
+    losses = trainer.reduce_losses(trainer.train_step(0, 0))
     assert all(torch.isfinite(torch.tensor(v)) for v in losses.values())
     assert trainer.device.type == "cuda"
 

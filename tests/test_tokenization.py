@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from coreply.config import ModelConfig
 from coreply.models import load_pretrained
@@ -54,3 +55,46 @@ def test_pairs_join_context_and_response_with_segments_and_both_cuts(hf_tokenize
 def test_pairs_need_equal_lengths(hf_tokenizer):
     with pytest.raises(ValueError, match="as many contexts"):
         make(hf_tokenizer).pairs([["a"]], ["b", "c"])
+
+
+def test_assembled_pairs_equal_what_the_tokenizer_itself_produces(hf_tokenizer):
+    """Inputs assembled from cached ids are the Hugging Face tokenizer's own encoding of the same pair."""
+    tok = make(hf_tokenizer)
+    contexts = [["hello how are you", "good thanks"], ["what is your name"]]
+    responses = ["i like pizza", "my name is sam and i love music"]
+    tok.warm([t for c in contexts for t in c] + responses)
+    batch = tok.pairs(contexts, responses)
+    for i, (context, response) in enumerate(zip(contexts, responses, strict=True)):
+        want = hf_tokenizer(" [SEP] ".join(context), response, return_token_type_ids=True)
+        n = len(want["input_ids"])
+        assert batch.input_ids[i, :n].tolist() == want["input_ids"]
+        assert batch.token_type_ids[i, :n].tolist() == want["token_type_ids"]
+        assert batch.attention_mask[i].sum() == n
+
+
+def test_warm_texts_never_reach_the_tokenizer_again(hf_tokenizer, monkeypatch):
+    tok = make(hf_tokenizer)
+    assert tok.warm(["hello hi", "good fine", "hello hi"]) == 2
+    cold = tok.contexts([["hello hi", "good fine"]])
+
+    def refuse(texts):
+        raise AssertionError(f"tokenised again: {texts}")
+
+    monkeypatch.setattr(tok, "_tokenize", lambda texts: refuse(texts) if texts else [])
+    assert torch.equal(tok.contexts([["hello hi", "good fine"]]).input_ids, cold.input_ids)
+    monkeypatch.undo()
+    tok.pieces(["weather"])  # a miss is tokenised but not kept: serving cannot grow the cache
+    assert tok.cached == 2
+
+
+def test_token_budget_chunks_cover_every_row_once_within_the_budget():
+    import numpy as np
+
+    from coreply.tokenization import token_budget_chunks
+
+    lengths = [5, 40, 7, 12, 40, 3, 90, 8]
+    chunks = token_budget_chunks(lengths, 64)
+    assert sorted(np.concatenate(chunks).tolist()) == list(range(len(lengths)))
+    for chunk in chunks:
+        assert len(chunk) == 1 or len(chunk) * max(lengths[i] for i in chunk) <= 64
+    assert [lengths[i] for i in np.concatenate(chunks)] == sorted(lengths)

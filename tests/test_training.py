@@ -62,14 +62,13 @@ def test_core_gradients_come_only_from_each_models_own_loss(tmp_path, tiny_model
     trainer = Trainer(cfg, toy_pairs, [], pool_of(toy_pairs))
     trainer.bi.eval(), trainer.cross.eval()  # no dropout: the two computations below must agree exactly
     pairs, rng = trainer._global_batch(0, 0)
-    lists = trainer._candidate_lists(pairs, rng)
-    trainer._micro_step(pairs, lists, 1.0, StepLosses())
+    mb = trainer._micro_batch(pairs, trainer._candidate_lists(pairs, rng))
+    trainer._micro_step(mb, 1.0, StepLosses())
     got_bi = [p.grad.clone() for p in trainer.bi.parameters()]
     got_cross = [p.grad.clone() for p in trainer.cross.parameters()]
 
-    contexts = [p.context for p in pairs]
-    R, R_all, R_targets = trainer._bi_scores(contexts, lists)
-    G = trainer._cross_scores(trainer.cross, contexts, lists)
+    R, R_all, R_targets = trainer._bi_scores(mb)
+    G = trainer._cross_scores(trainer.cross, mb.cross, mb.lists)
     bi_loss = listwise_ce(R_all, R_targets) + 1.0 * kl_to_target(G.detach(), R, 3.0)
     cross_loss = listwise_ce(G) + 3.0 * kl_to_target(R.detach(), G, 3.0)
     want_bi = torch.autograd.grad(bi_loss, list(trainer.bi.parameters()))
@@ -123,12 +122,11 @@ def test_distill_into_a_smaller_cross_encoder(tmp_path, tiny_model_dir, toy_pair
     assert len(trainer.teacher.backbone.encoder.layer) == 2
     trainer.cross.eval()
     pairs, rng = trainer._global_batch(0, 0)
-    lists = trainer._candidate_lists(pairs, rng)
-    trainer._micro_step(pairs, lists, 1.0, StepLosses())
+    mb = trainer._micro_batch(pairs, trainer._candidate_lists(pairs, rng))
+    trainer._micro_step(mb, 1.0, StepLosses())
     got = [p.grad.clone() for p in trainer.cross.parameters()]
-    contexts = [p.context for p in pairs]
-    K = trainer._cross_scores(trainer.teacher, contexts, lists)
-    G = trainer._cross_scores(trainer.cross, contexts, lists)
+    K = trainer._cross_scores(trainer.teacher, mb.teacher, mb.lists)
+    G = trainer._cross_scores(trainer.cross, mb.cross, mb.lists)
     loss = listwise_ce(G) + cfg.gamma_g * kl_to_target(K, G, cfg.tau)
     want = torch.autograd.grad(loss, list(trainer.cross.parameters()))
     for a, b in zip(got, want, strict=True):
@@ -234,3 +232,50 @@ def test_hard_negative_miner_takes_the_retrievers_top_candidates_except_the_gold
     assert miner.embeddings is first  # not yet due
     miner.maybe_refresh(bi, step=5)
     assert miner.embeddings is not first
+
+
+def test_length_sorted_reranker_chunks_score_like_one_padded_batch(tmp_path, tiny_model_dir, toy_pairs):
+    one = Trainer(config(tmp_path, tiny_model_dir, mode="core"), toy_pairs, [], pool_of(toy_pairs))
+    chunked = Trainer(
+        config(tmp_path, tiny_model_dir, mode="core", max_batch_tokens=60), toy_pairs, [], pool_of(toy_pairs)
+    )
+    chunked.cross.load_state_dict(one.cross.state_dict())
+    one.cross.eval(), chunked.cross.eval()
+    pairs, rng = one._global_batch(0, 0)
+    lists = one._candidate_lists(pairs, rng)
+    a, b = one._micro_batch(pairs, lists), chunked._micro_batch(pairs, lists)
+    assert len(a.cross) == 1 and len(b.cross) > 1
+    assert b.counts["cross_tokens"] == a.counts["cross_tokens"]
+    assert b.counts["cross_padded"] < a.counts["cross_padded"]
+    with torch.no_grad():
+        want = one._cross_scores(one.cross, a.cross, a.lists)
+        got = chunked._cross_scores(chunked.cross, b.cross, b.lists)
+    assert got.shape == (4, 4) and torch.allclose(got, want, atol=1e-5)
+
+
+def test_restatement_negatives_come_from_the_context_and_the_last_turns_neighbours(
+    tmp_path, tiny_model_dir, toy_pairs
+):
+    cfg = config(
+        tmp_path, tiny_model_dir, mode="core", num_negatives=6, own_turn_negatives=2, paraphrase_negatives=2
+    )
+    pool = [*pool_of(toy_pairs), *(p.context[-1] for p in toy_pairs), *(f"filler {i}" for i in range(20))]
+    trainer = Trainer(cfg, toy_pairs, [], sorted(set(pool)))
+    trainer.bi.eval()  # no dropout, so the neighbours below are the miner's
+    trainer.miner.maybe_refresh(trainer.bi, 0)
+    pairs, rng = trainer._global_batch(0, 0)
+    lists = trainer._candidate_lists(pairs, rng)
+    for pair, cands in zip(pairs, lists, strict=True):
+        assert cands[0] == pair.response and len(cands) == 7
+        assert len({normalize(t) for t in cands}) == 7  # no duplicates, never the gold twice
+        assert cands[1:3] == [pair.context[-1], pair.context[-2]]  # own turns, latest first
+        last = trainer.bi.embed_responses([pair.context[-1]])  # [1, D]
+        nearest = torch.topk((last @ trainer.miner.embeddings.T)[0], 2 * 2 + 1).indices.tolist()
+        assert set(cands[3:5]) <= {trainer.miner.pool[i] for i in nearest}
+
+
+def test_negative_counts_are_checked():
+    with pytest.raises(ValueError, match="cannot exceed num_negatives"):
+        TrainConfig(num_negatives=4, own_turn_negatives=2, paraphrase_negatives=2, hard_negatives=1)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        TrainConfig(own_turn_negatives=-1)

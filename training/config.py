@@ -43,6 +43,13 @@ class TrainConfig:
     hard_refresh: int = 200  # steps between re-embeddings of the mining pool
     hard_pool: int = 20_000  # responses sampled for mining
     hard_top: int = 50  # mine among the retriever's top-k
+    own_turn_negatives: int = 0  # how many negatives are the context's own turns (restatements)
+    paraphrase_negatives: int = 0  # how many are the pool's nearest neighbours of the last turn, mined
+    # like the hard negatives (same pool sample and refresh): paraphrases of what the user just said
+    max_batch_tokens: int = 0  # > 0: run the reranker's pairs in length-sorted chunks of at most this
+    # many padded tokens (less padding); 0: one padded batch per micro-batch
+    prefetch: bool = True  # build the next step's lists and token ids in a thread while this step runs
+    compile: bool = False  # torch.compile the models (dynamic shapes)
     grad_clip: float = 10.0  # the precursor paper's value
     seed: int = 42
     eval_every: int = 200
@@ -63,10 +70,17 @@ class TrainConfig:
             raise ValueError("lora_rank must be >= 0 (0 = train every weight)")
         if self.lora_rank and (self.init_bi or self.init_cross):
             raise ValueError("lora_rank adapts the base model; it cannot start from --init-bi/--init-cross")
-        if self.hard_negatives > self.num_negatives:
-            raise ValueError("hard_negatives cannot exceed num_negatives")
         if self.num_negatives < 1 or self.batch_size < 1 or self.grad_accum < 1:
             raise ValueError("num_negatives, batch_size and grad_accum must be >= 1")
+        chosen = {
+            "hard_negatives": self.hard_negatives,
+            "own_turn_negatives": self.own_turn_negatives,
+            "paraphrase_negatives": self.paraphrase_negatives,
+        }
+        if min(chosen.values()) < 0 or self.max_batch_tokens < 0:
+            raise ValueError(f"{', '.join(chosen)} and max_batch_tokens must be >= 0")
+        if sum(chosen.values()) > self.num_negatives:
+            raise ValueError(f"{' + '.join(chosen)} cannot exceed num_negatives ({self.num_negatives})")
 
     @property
     def trains_bi(self) -> bool:

@@ -47,12 +47,29 @@ def step_rng(seed: int, epoch: int, step: int) -> np.random.Generator:
     return np.random.default_rng([seed, epoch, step, 7])
 
 
-class HardNegativeMiner:
-    """Hard negatives for the candidate lists, mined by the *current* retriever.
+def own_turn_negatives(pair: Pair, count: int) -> list[str]:
+    """Up to ``count`` of the context's own turns, latest first, none equal to the gold: restatements of
+    what was just said, which a reply must not be."""
+    gold = normalize(pair.response)
+    out: list[str] = []
+    seen = {gold}
+    for turn in reversed(pair.context):
+        key = normalize(turn)
+        if key and key not in seen and len(out) < count:
+            seen.add(key)
+            out.append(turn)
+    return out
 
-    Every ``refresh_every`` steps the response tower re-embeds a fixed sample of the training pool; for
-    each batch the context tower embeds the contexts and the top ``top_k`` pool entries by inner product
-    (minus the positive) are the candidates, of which ``count`` are drawn at random."""
+
+class HardNegativeMiner:
+    """Negatives mined by the *current* retriever from a fixed sample of the training pool.
+
+    Every ``refresh_every`` steps the response tower re-embeds the sample. Two kinds are mined:
+
+    * ``by="context"``: the pool entries the retriever ranks highest for the context (its own top
+      ``top_k``, of which ``count`` are drawn at random): what it would wrongly answer.
+    * ``by="last_turn"``: the pool entries nearest the context's *last turn* in the response space (the
+      nearest ``2 * count``, ``count`` drawn): paraphrases of what the user just said."""
 
     def __init__(
         self, pool: Sequence[str], count: int, refresh_every: int, sample_size: int, top_k: int, seed: int
@@ -74,19 +91,34 @@ class HardNegativeMiner:
             self.refreshed_at = step
 
     @torch.no_grad()
-    def mine(self, bi, pairs: Sequence[Pair], rng: np.random.Generator) -> list[list[str]]:
+    def mine(
+        self,
+        bi,
+        pairs: Sequence[Pair],
+        rng: np.random.Generator,
+        count: int | None = None,
+        by: str = "context",
+        avoid: Sequence[set[str]] | None = None,
+    ) -> list[list[str]]:
+        """``count`` (default: the miner's) negatives per pair, never the gold nor a key in ``avoid[i]``."""
         assert self.embeddings is not None, "call maybe_refresh first"
+        count = self.count if count is None else count
+        if count == 0:
+            return [[] for _ in pairs]
         was_training = bi.training
         bi.eval()
-        queries = bi.embed_contexts([p.context for p in pairs])  # [B, D]
+        if by == "context":
+            queries, top_k = bi.embed_contexts([p.context for p in pairs]), self.top_k  # [B, D]
+        elif by == "last_turn":
+            queries, top_k = bi.embed_responses([p.context[-1] for p in pairs]), 2 * count + 1  # [B, D]
+        else:
+            raise ValueError(f"by must be 'context' or 'last_turn', got {by!r}")
         bi.train(was_training)
-        top = torch.topk(
-            queries @ self.embeddings.T, k=min(self.top_k, len(self.pool)), dim=1
-        ).indices  # [B, k]
+        top = torch.topk(queries @ self.embeddings.T, k=min(top_k, len(self.pool)), dim=1).indices  # [B, k]
         out = []
-        for pair, row in zip(pairs, top.tolist(), strict=True):
-            gold = normalize(pair.response)
-            choices = [i for i in row if self.keys[i] != gold]
-            picked = rng.choice(len(choices), size=min(self.count, len(choices)), replace=False)
+        for i, (pair, row) in enumerate(zip(pairs, top.tolist(), strict=True)):
+            taken = {normalize(pair.response)} | (avoid[i] if avoid is not None else set())
+            choices = [j for j in row if self.keys[j] not in taken]
+            picked = rng.choice(len(choices), size=min(count, len(choices)), replace=False)
             out.append([self.pool[choices[j]] for j in sorted(picked)])
         return out

@@ -18,7 +18,8 @@ import json
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,20 +35,74 @@ from coreply.corpus import Pair
 from coreply.device import autocast, resolve_device
 from coreply.models import BiEncoder, CrossEncoder
 from coreply.text import normalize
+from coreply.tokenization import Batch, DialogueTokenizer, token_budget_chunks
 from training.config import TrainConfig
 from training.evaluation import evaluate_lists, protocol_a_lists
 from training.losses import kl_to_target, listwise_ce
-from training.sampling import HardNegativeMiner, NegativeSampler, epoch_order, step_rng
+from training.sampling import (
+    HardNegativeMiner,
+    NegativeSampler,
+    epoch_order,
+    own_turn_negatives,
+    step_rng,
+)
+
+
+class StepLosses:
+    """Per-step losses summed *on the device*: adding one never waits for the GPU; reading them
+    (:meth:`Trainer.reduce_losses`) is the one host synchronisation, once per logging window."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, torch.Tensor] = {}
+
+    def add(self, name: str, value: torch.Tensor) -> None:
+        v = value.detach().float()
+        self.values[name] = self.values[name] + v if name in self.values else v
+
+    def merge(self, other: StepLosses) -> None:
+        for name, value in other.values.items():
+            self.add(name, value)
 
 
 @dataclass
-class StepLosses:
-    """Detached per-step losses for logging."""
+class MicroBatch:
+    """One micro-batch, ready for the models: candidate lists (gold first) and their token ids, built
+    from the tokenizers' caches (no Hugging Face tokenizer call) and pinned when training on CUDA."""
 
-    values: dict[str, float] = field(default_factory=dict)
+    pairs: list[Pair]
+    lists: list[list[str]]
+    contexts: Batch | None = None  # bi-encoder contexts [B, Lc]
+    responses: Batch | None = None  # bi-encoder candidates, list after list [B*N, Lr]
+    cross: list[tuple[np.ndarray, Batch]] | None = None  # reranker pairs: (row ids, chunk) [B*N] in all
+    teacher: list[tuple[np.ndarray, Batch]] | None = None  # the same pairs for a distillation teacher
 
-    def add(self, name: str, value: torch.Tensor) -> None:
-        self.values[name] = self.values.get(name, 0.0) + float(value.detach())
+    @property
+    def counts(self) -> dict[str, int]:
+        """Real and padded tokens per model, for throughput figures."""
+        out: dict[str, int] = {}
+        bi = [b for b in (self.contexts, self.responses) if b is not None]
+        for name, batches in (("bi", bi), ("cross", [b for _, b in self.cross or []])):
+            if batches:
+                out[f"{name}_tokens"] = sum(b.tokens for b in batches)
+                out[f"{name}_padded"] = sum(b.input_ids.numel() for b in batches)
+        return out
+
+
+def pair_chunks(
+    tok: DialogueTokenizer, contexts: Sequence[Sequence[str]], lists: Sequence[Sequence[str]], max_tokens: int
+) -> list[tuple[np.ndarray, Batch]]:
+    """Every (context, candidate) pair, list after list, as reranker input: one padded batch, or
+    length-sorted chunks of at most ``max_tokens`` padded tokens. Row ids say where each row belongs."""
+    bodies = tok.context_bodies(contexts)
+    c_rows = [b for b, cands in zip(bodies, lists, strict=True) for _ in cands]
+    r_rows = tok.response_bodies([t for cands in lists for t in cands])
+    if not max_tokens:
+        return [(np.arange(len(c_rows)), tok.batch_pairs(c_rows, r_rows))]
+    lengths = [len(c) + len(r) + 3 for c, r in zip(c_rows, r_rows, strict=True)]
+    return [
+        (idx, tok.batch_pairs([c_rows[i] for i in idx], [r_rows[i] for i in idx]))
+        for idx in token_budget_chunks(lengths, max_tokens)
+    ]
 
 
 def _world() -> tuple[int, int]:
@@ -90,6 +145,7 @@ class Trainer:
         )
         self.out = Path(config.output_dir)
         self.bi, self.cross, self.teacher = self._build_models()
+        self.tokenize_seconds = self._warm_tokenizers(negative_pool)
         self.global_batch = config.batch_size * config.grad_accum * self.world
         self.steps_per_epoch = max(1, len(self.train_pairs) // self.global_batch)
         self.total_steps = config.max_steps or self.steps_per_epoch * config.epochs
@@ -100,10 +156,13 @@ class Trainer:
             if model is None:
                 continue
             trainable = [p for p in model.parameters() if p.requires_grad]
-            opt = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=config.weight_decay)
+            opt = torch.optim.AdamW(
+                trainable, lr=config.lr, weight_decay=config.weight_decay, fused=self.device.type == "cuda"
+            )
             self.optimizers[name] = opt
             self.schedulers[name] = _scheduler(opt, self.total_steps, config.warmup_ratio)
             self.wrapped[name] = DistributedDataParallel(model) if self.world > 1 else model
+        mined = config.hard_negatives + config.paraphrase_negatives
         self.miner = (
             HardNegativeMiner(
                 negative_pool,
@@ -113,16 +172,24 @@ class Trainer:
                 config.hard_top,
                 config.seed,
             )
-            if config.hard_negatives
+            if mined
             else None
         )
         if self.miner is not None and self.bi is None:
-            raise ValueError("hard negatives are mined by the bi-encoder, which this run does not train")
+            raise ValueError(
+                "hard and paraphrase negatives are mined by the bi-encoder, which this run does not train"
+            )
+        # Mining needs the current retriever, so with a miner the next step cannot be prepared early.
+        self._prefetcher = (
+            ThreadPoolExecutor(1, thread_name_prefix="prefetch") if config.prefetch and not mined else None
+        )
+        self._prefetched: tuple[tuple[int, int], Future] | None = None
         self.step = 0
         self.best: dict[str, float] = {}
         self.stale_evals = 0
         self.examples_seen = 0
         self.train_seconds = 0.0
+        self.token_counts: dict[str, int] = {}
 
     # ------------------------------------------------------------------------------------ set-up
 
@@ -150,7 +217,20 @@ class Trainer:
         if cfg.mode == "distill":
             teacher = load_checkpoint(cfg.teacher, expect="cross").to(self.device).eval()
             teacher.requires_grad_(False)
+        if cfg.compile:
+            for model in (bi, cross, teacher):
+                if model is not None:
+                    model.compile(dynamic=True)
         return bi, cross, teacher  # type: ignore[return-value]
+
+    def _warm_tokenizers(self, pool: Sequence[str]) -> float:
+        """Tokenise every training text once; steps then assemble inputs from cached ids."""
+        start = time.perf_counter()
+        texts = [t for p in self.train_pairs for t in (*p.context, p.response)] + list(pool)
+        for model in (self.bi, self.cross, self.teacher):
+            if model is not None:
+                model.tokenizer.warm(texts)
+        return time.perf_counter() - start
 
     # ------------------------------------------------------------------------------------ batches
 
@@ -160,57 +240,105 @@ class Trainer:
         return [self.train_pairs[i] for i in chosen], step_rng(self.cfg.seed, epoch, index)
 
     def _candidate_lists(self, pairs: Sequence[Pair], rng: np.random.Generator) -> list[list[str]]:
-        """Positive first; hard negatives (if any) then random ones, delta_r negatives in all."""
-        hard = self.miner.mine(self.bi, pairs, rng) if self.miner is not None else [[] for _ in pairs]
-        lists = []
-        for pair, mined in zip(pairs, hard, strict=True):
-            rest = self.sampler.sample(
-                pair.response, self.cfg.num_negatives - len(mined), rng, avoid={normalize(t) for t in mined}
-            )
-            lists.append([pair.response, *mined, *rest])
+        """Positive first, then delta_r negatives: the context's own turns, the pool's paraphrases of
+        the last turn, retriever-mined hard ones (each as configured), and random ones for the rest."""
+        cfg = self.cfg
+        lists = [[p.response, *own_turn_negatives(p, cfg.own_turn_negatives)] for p in pairs]
+        if self.miner is not None:
+            for count, by in ((cfg.paraphrase_negatives, "last_turn"), (cfg.hard_negatives, "context")):
+                avoid = [{normalize(t) for t in cands} for cands in lists]
+                for cands, mined in zip(
+                    lists, self.miner.mine(self.bi, pairs, rng, count, by, avoid), strict=True
+                ):
+                    cands.extend(mined)
+        for pair, cands in zip(pairs, lists, strict=True):
+            avoid = {normalize(t) for t in cands}
+            cands.extend(self.sampler.sample(pair.response, cfg.num_negatives + 1 - len(cands), rng, avoid))
         return lists
+
+    def _micro_batch(self, pairs: list[Pair], lists: list[list[str]]) -> MicroBatch:
+        """Token ids for one micro-batch (on the CPU; pinned for a CUDA device)."""
+        mb = MicroBatch(pairs, lists)
+        contexts = [p.context for p in pairs]
+        if self.bi is not None:
+            tok = self.bi.tokenizer
+            mb.contexts = tok.contexts(contexts)
+            mb.responses = tok.responses([t for cands in lists for t in cands])
+        if self.cross is not None:
+            mb.cross = pair_chunks(self.cross.tokenizer, contexts, lists, self.cfg.max_batch_tokens)
+        if self.teacher is not None:
+            mb.teacher = pair_chunks(self.teacher.tokenizer, contexts, lists, self.cfg.max_batch_tokens)
+        if self.device.type == "cuda":
+            pin = lambda b: b.pin_memory() if b is not None else None  # noqa: E731
+            mb.contexts, mb.responses = pin(mb.contexts), pin(mb.responses)
+            mb.cross = [(i, b.pin_memory()) for i, b in mb.cross] if mb.cross else mb.cross
+            mb.teacher = [(i, b.pin_memory()) for i, b in mb.teacher] if mb.teacher else mb.teacher
+        return mb
+
+    def _prepare(self, epoch: int, index: int) -> list[MicroBatch]:
+        """This rank's micro-batches of global batch ``index`` of ``epoch`` (every rank draws the same
+        global lists, then takes its slice)."""
+        cfg = self.cfg
+        pairs, rng = self._global_batch(epoch, index)
+        if self.miner is not None:
+            self.miner.maybe_refresh(self.bi, self.step)
+        lists = self._candidate_lists(pairs, rng)
+        per_rank = cfg.batch_size * cfg.grad_accum
+        mine = slice(self.rank * per_rank, (self.rank + 1) * per_rank)
+        my_pairs, my_lists = pairs[mine], lists[mine]
+        return [
+            self._micro_batch(my_pairs[s : s + cfg.batch_size], my_lists[s : s + cfg.batch_size])
+            for s in range(0, len(my_pairs), cfg.batch_size)
+        ]
+
+    def _take(self, epoch: int, index: int) -> list[MicroBatch]:
+        """The prepared step (from the prefetch thread when it guessed right), and start the next."""
+        ahead = self._prefetched
+        self._prefetched = None
+        batches = ahead[1].result() if ahead is not None and ahead[0] == (epoch, index) else None
+        if batches is None:
+            batches = self._prepare(epoch, index)
+        if self._prefetcher is not None and self.step + 1 < self.total_steps:
+            nxt = divmod(self.step + 1, self.steps_per_epoch)
+            self._prefetched = (nxt, self._prefetcher.submit(self._prepare, *nxt))
+        return batches
 
     # ------------------------------------------------------------------------------------ scores
 
-    def _bi_scores(self, contexts: Sequence[Sequence[str]], lists: Sequence[Sequence[str]]):
+    def _bi_scores(self, mb: MicroBatch):
         """-> own-list scores R [B, N], and the CE logits/targets (over all lists with in-batch negatives)."""
-        n = len(lists[0])
-        tok = self.bi.tokenizer
-        flat = [t for cands in lists for t in cands]
+        b, n = len(mb.lists), len(mb.lists[0])
         ctx, resp = self.wrapped["bi"](
-            tok.contexts(contexts).to(self.device), tok.responses(flat).to(self.device)
+            mb.contexts.to(self.device, non_blocking=True), mb.responses.to(self.device, non_blocking=True)
         )
-        resp = resp.view(len(lists), n, -1)  # [B, N, D]
+        resp = resp.view(b, n, -1)  # [B, N, D]
         own = torch.einsum("bd,bnd->bn", ctx, resp)  # [B, N]
         if not self.cfg.in_batch:
             return own, own, None
         everything = ctx @ resp.reshape(-1, resp.shape[-1]).T  # [B, B*N]
-        targets = torch.arange(len(lists), device=ctx.device) * n
+        targets = torch.arange(b, device=ctx.device) * n
         return own, everything, targets
 
-    def _cross_scores(
-        self, model, contexts: Sequence[Sequence[str]], lists: Sequence[Sequence[str]]
-    ) -> torch.Tensor:
-        """-> G [B, N]"""
-        flat_c = [c for c, cands in zip(contexts, lists, strict=True) for _ in cands]
-        flat_r = [t for cands in lists for t in cands]
-        return model(model_tokenizer(model).pairs(flat_c, flat_r).to(self.device)).view(len(lists), -1)
+    def _cross_scores(self, model, chunks: list[tuple[np.ndarray, Batch]], lists: Sequence[Sequence[str]]):
+        """-> G [B, N], rows put back in list order after length-sorted chunks."""
+        scores = torch.cat([model(batch.to(self.device, non_blocking=True)) for _, batch in chunks])  # [B*N]
+        if len(chunks) > 1:
+            order = torch.from_numpy(np.argsort(np.concatenate([i for i, _ in chunks]))).to(self.device)
+            scores = scores[order]
+        return scores.view(len(lists), -1)
 
     # ------------------------------------------------------------------------------------ one step
 
-    def _micro_step(
-        self, pairs: Sequence[Pair], lists: Sequence[Sequence[str]], scale: float, logs: StepLosses
-    ) -> tuple[list, list, torch.Tensor] | None:
+    def _micro_step(self, mb: MicroBatch, scale: float, logs: StepLosses) -> tuple | None:
         """Forward/backward one micro-batch; gradients accumulate (scaled by 1 / grad_accum). In ``mutual``
         mode the reranker's backward must wait for the retriever's update: its inputs are returned."""
         cfg = self.cfg
-        contexts = [p.context for p in pairs]
         with autocast(self.device):
             R = R_ce = R_targets = G = None
             if self.bi is not None:
-                R, R_ce, R_targets = self._bi_scores(contexts, lists)
+                R, R_ce, R_targets = self._bi_scores(mb)
             if self.cross is not None:
-                G = self._cross_scores(self.wrapped["cross"], contexts, lists)
+                G = self._cross_scores(self.wrapped["cross"], mb.cross, mb.lists)
 
             if cfg.mode == "independent":
                 if R is not None:
@@ -219,7 +347,7 @@ class Trainer:
                     self._backward("cross", listwise_ce(G), None, scale, logs)
             elif cfg.mode == "distill":
                 with torch.no_grad():
-                    K = self._cross_scores(self.teacher, contexts, lists)
+                    K = self._cross_scores(self.teacher, mb.teacher, mb.lists)
                 if R is not None:
                     kl = cfg.gamma_r * kl_to_target(K, R, cfg.tau)
                     self._backward("bi", listwise_ce(R_ce, R_targets), kl, scale, logs)
@@ -238,7 +366,7 @@ class Trainer:
                 self._backward(
                     "bi", listwise_ce(R_ce, R_targets), cfg.alpha * kl_to_target(G, R, cfg.tau), scale, logs
                 )
-                return contexts, list(lists), G
+                return mb, G
         return None
 
     def _backward(
@@ -258,50 +386,44 @@ class Trainer:
         self.schedulers[name].step()
         self.optimizers[name].zero_grad(set_to_none=True)
 
-    def train_step(self, epoch: int, index: int) -> dict[str, float]:
-        """One optimizer step on global batch ``index`` of ``epoch``; returns the global-mean losses."""
+    def train_step(self, epoch: int, index: int) -> StepLosses:
+        """One optimizer step on global batch ``index`` of ``epoch``; returns this rank's losses, still on
+        the device (:meth:`reduce_losses` reads them)."""
         cfg = self.cfg
-        pairs, rng = self._global_batch(epoch, index)
-        if self.miner is not None:
-            self.miner.maybe_refresh(self.bi, self.step)
-        lists = self._candidate_lists(pairs, rng)  # every rank builds the same global lists
-        local = slice(
-            self.rank * cfg.batch_size * cfg.grad_accum, (self.rank + 1) * cfg.batch_size * cfg.grad_accum
-        )
-        my_pairs, my_lists = pairs[local], lists[local]
         logs = StepLosses()
         scale = 1.0 / cfg.grad_accum
         pending = []
-        for start in range(0, len(my_pairs), cfg.batch_size):
-            waiting = self._micro_step(
-                my_pairs[start : start + cfg.batch_size],
-                my_lists[start : start + cfg.batch_size],
-                scale,
-                logs,
-            )
+        for mb in self._take(epoch, index):
+            for key, value in mb.counts.items():
+                self.token_counts[key] = self.token_counts.get(key, 0) + value
+            waiting = self._micro_step(mb, scale, logs)
             if waiting is not None:
                 pending.append(waiting)
         if "bi" in self.optimizers:
             self._optimizer_step("bi")
         if cfg.mode == "mutual":
             # Algorithm 1, line 10: recompute the retriever's predictions after its update.
-            for contexts, lists_, G in pending:
+            for mb, G in pending:
                 with torch.no_grad(), autocast(self.device):
-                    A_new, _, _ = self._bi_scores(contexts, lists_)
+                    A_new, _, _ = self._bi_scores(mb)
                 self._backward(
                     "cross", listwise_ce(G), cfg.alpha * kl_to_target(A_new, G, cfg.tau), scale, logs
                 )
         if "cross" in self.optimizers:
             self._optimizer_step("cross")
-        values = logs.values
-        if self.world > 1:
-            keys = sorted(values)
-            t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=self.device)
-            dist.all_reduce(t)
-            values = {k: float(v) / self.world for k, v in zip(keys, t.tolist(), strict=True)}
         self.step += 1
-        self.examples_seen += len(pairs)
-        return values
+        self.examples_seen += self.global_batch
+        return logs
+
+    def reduce_losses(self, logs: StepLosses, steps: int = 1) -> dict[str, float]:
+        """Mean per step over ``steps`` and over the ranks, as floats (one host synchronisation)."""
+        keys = sorted(logs.values)
+        if not keys:
+            return {}
+        t = torch.stack([logs.values[k] for k in keys]).double()
+        if self.world > 1:
+            dist.all_reduce(t)
+        return {k: v / (self.world * steps) for k, v in zip(keys, t.tolist(), strict=True)}
 
     # ------------------------------------------------------------------------------------ validation
 
@@ -412,19 +534,18 @@ class Trainer:
             dynamic_ncols=True,
         )
         stopped_early = False
-        window = StepLosses()  # losses summed over the logging window
+        window = StepLosses()  # losses summed over the logging window, on the device
         window_start, window_steps = time.perf_counter(), 0
         while self.step < self.total_steps and not stopped_early:
             epoch, index = divmod(self.step, self.steps_per_epoch)
             t0 = time.perf_counter()
-            for name, value in self.train_step(epoch, index).items():
-                window.values[name] = window.values.get(name, 0.0) + value
+            window.merge(self.train_step(epoch, index))
             self.train_seconds += time.perf_counter() - t0
             window_steps += 1
             bar.update(1)
             if self.step % cfg.log_every == 0 or self.step == self.total_steps:
+                means = self.reduce_losses(window, window_steps)  # waits for the GPU: the rate is true
                 rate = window_steps * self.global_batch / max(1e-9, time.perf_counter() - window_start)
-                means = {k: v / window_steps for k, v in window.values.items()}
                 window, window_start, window_steps = StepLosses(), time.perf_counter(), 0
                 lr = self.schedulers[next(iter(self.schedulers))].get_last_lr()[0]
                 self._log({"step": self.step, "epoch": epoch, "lr": lr, "examples_per_s": rate, **means})
@@ -437,6 +558,8 @@ class Trainer:
                 self._log({"step": self.step, "examples_seen": self.examples_seen, "valid": valid})
                 self.save_state()
         bar.close()
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown(cancel_futures=True)
         if not self.valid_pairs and self.rank == 0:  # nothing to select on: keep the last weights
             for name, model in (("bi", self.bi), ("cross", self.cross)):
                 if model is not None:
@@ -446,6 +569,8 @@ class Trainer:
             "steps": self.step,
             "examples_seen": self.examples_seen,
             "train_seconds": round(self.train_seconds, 1),
+            "tokenize_seconds": round(self.tokenize_seconds, 1),
+            "tokens": self.token_counts,
             "best_valid_hits@1": self.best,
             "stopped_early": stopped_early,
             "device": str(self.device),
@@ -457,8 +582,3 @@ class Trainer:
 
             plot_training_curves(self.out / "metrics.jsonl", self.out / "training_curves.png")
         return summary
-
-
-def model_tokenizer(model: torch.nn.Module):
-    """The dialogue tokenizer of a model, also through a DDP wrapper."""
-    return (model.module if isinstance(model, DistributedDataParallel) else model).tokenizer
