@@ -135,7 +135,9 @@ def save_checkpoint(
             model.tokenizer.hf.save_pretrained(str(tmp / "tokenizer"))
         else:  # compact: the base model supplies the frozen weights and the tokenizer
             save_weights(model, tmp / ADAPTER, trainable_state(model))
-            adapter["base_sha256"] = sha256_file(base_weights(model.config))
+            base = base_weights(model.config)
+            adapter["base_sha256"] = sha256_file(base)
+            adapter["base_fp16_sha256"] = fp16_fingerprint(base)
         files = hash_tree(tmp)
         meta = {
             "format": FORMAT,
@@ -187,16 +189,37 @@ def base_weights(config: ModelConfig) -> Path:
     return path
 
 
+def fp16_fingerprint(weights: Path) -> str:
+    """sha256 of a safetensors file's tensors rounded to fp16 (by name, with shapes): the identity of a
+    base model at the precision adapters care about. A base carried to a GPU host in fp16 (half the
+    bytes) and the original fp32 file have the same fingerprint, so adapters trained on either load on
+    both; any real change of the weights changes it."""
+    from safetensors import safe_open
+
+    digest = hashlib.sha256()
+    with safe_open(str(weights), framework="pt") as fh:
+        for name in sorted(fh.keys()):
+            tensor = fh.get_tensor(name)
+            digest.update(f"{name}:{tuple(tensor.shape)};".encode())
+            digest.update(tensor.to(torch.float16).contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 def _load_adapter(root: Path, meta: dict[str, Any], config: ModelConfig) -> BiEncoder | CrossEncoder:
-    """Base model (verified by sha256) + the stored adapters, not yet merged."""
+    """Base model (verified by its fp16 fingerprint, or for older checkpoints by the file's sha256) +
+    the stored adapters, not yet merged."""
     adapter = meta["adapter"]
     if not isinstance(adapter, dict) or not {"rank", "alpha", "base_sha256"} <= set(adapter):
         raise CheckpointError(f"{root / META}: 'adapter' needs rank, alpha and base_sha256")
     base = base_weights(config)
-    if sha256_file(base) != adapter.get("base_sha256"):
+    if "base_fp16_sha256" in adapter:
+        same = fp16_fingerprint(base) == adapter["base_fp16_sha256"]
+    else:
+        same = sha256_file(base) == adapter["base_sha256"]
+    if not same:
         raise CheckpointError(
             f"{root}: its adapters were trained on a different {config.base_model!r} base model than "
-            f"{base} (sha256 mismatch); install the base model the checkpoint names"
+            f"{base} (fingerprint mismatch); install the base model the checkpoint names"
         )
     model = KINDS[meta["kind"]].from_pretrained(config)
     add_lora(model, int(adapter["rank"]), float(adapter["alpha"]))

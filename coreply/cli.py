@@ -144,6 +144,11 @@ def _eval_parser(sub) -> None:
     p.add_argument("--max-turns", type=int, default=ModelConfig.max_turns)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
+    p.add_argument(
+        "--judge",
+        default=ZERO_SHOT,
+        help="bi-encoder that judges restatements of the last turn ('zero-shot', a checkpoint, or 'none')",
+    )
     p.add_argument("--out", required=True, help="JSON file to write")
 
 
@@ -155,7 +160,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
     if not args.bi and not args.cross and "bm25" not in args.retriever:
         raise CliError("eval: give --bi, --cross or --retriever bm25")
-    for path in (args.bi, args.cross):  # fail fast, before minutes of data loading
+    for path in (args.bi, args.cross, args.judge if args.judge != "none" else None):  # fail fast
         if path and path != ZERO_SHOT:
             read_meta(path)
     splits = _load_data(args.data, args.max_turns)
@@ -178,16 +183,20 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         candidates=args.candidates,
         seed=args.seed,
         device=str(resolve_device(args.device)),
+        judge=None if args.judge == "none" else args.judge,
     )
     result = run_eval(spec)
     write_json_atomic(Path(args.out), result)
     for protocol in ("A", "B"):
         for row in result[protocol]:
             m = row["metrics"]
+            restates = f" restates {row['restates']:4.1f}%" if "restates" in row else ""
             print(
                 f"{protocol} {row['system']:<55} {row.get('n_r', ''):>4} hits@1 {m['hits@1']:5.1f} "
-                f"hits@10 {m['hits@10']:5.1f} MRR {m['mrr']:5.1f}"
+                f"hits@10 {m['hits@10']:5.1f} MRR {m['mrr']:5.1f}{restates}"
             )
+    if "restatement" in result:
+        print(f"gold replies restate the last turn in {result['restatement']['gold']:.1f}% of cases")
     return 0
 
 

@@ -115,6 +115,14 @@ class DialogueTokenizer:
             self._cache.update(zip(part, self._tokenize(part), strict=True))
         return len(todo)
 
+    def share_cache(self, other: DialogueTokenizer) -> bool:
+        """Use ``other``'s id cache when both wrap the same tokenizer (same vocabulary, normaliser and
+        pre-tokeniser): the pieces are then identical, and the corpus is tokenised once for both."""
+        same = self.hf.backend_tokenizer.to_str() == other.hf.backend_tokenizer.to_str()
+        if same:
+            self._cache = other._cache
+        return same
+
     @property
     def cached(self) -> int:
         return len(self._cache)

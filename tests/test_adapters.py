@@ -107,3 +107,32 @@ def test_a_bundle_serves_an_adapter_checkpoint_through_onnx(tmp_path, tiny_model
     backend = make_backend(load_bundle(tmp_path / "b"), backend="onnx")
     onnx_scores = backend.encode_contexts(CONTEXTS) @ backend.encode_responses(RESPONSES).T
     assert torch.allclose(torch.from_numpy(onnx_scores), bi_scores(model), atol=1e-4)
+
+
+def test_adapters_load_on_a_base_carried_in_fp16_but_not_on_a_changed_one(tmp_path, tiny_model_dir):
+    """A GPU host gets the base weights in fp16 (half the bytes to carry): adapters trained there or
+    here load on either copy; a base whose weights really differ is still refused."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    save_checkpoint(perturbed_bi(tiny_model_dir), tmp_path / "bi")
+    for name, change in (("carried", 0.0), ("changed", 1e-2)):
+        base = tmp_path / name
+        shutil.copytree(tiny_model_dir, base)
+        tensors = {k: v.half().float() for k, v in load_file(base / "model.safetensors").items()}
+        first = sorted(tensors)[0]
+        tensors[first] = tensors[first] + change
+        save_file(tensors, base / "model.safetensors")
+        assert (base / "model.safetensors").read_bytes() != (
+            tiny_model_dir / "model.safetensors"
+        ).read_bytes()
+        meta_path = tmp_path / "bi" / "checkpoint.json"
+        meta = json.loads(meta_path.read_text())
+        meta["model_config"]["base_model"] = str(base)
+        meta_path.write_text(json.dumps(meta))
+        if change:
+            with pytest.raises(CheckpointError, match=r"different .* base model"):
+                load_checkpoint(tmp_path / "bi")
+        else:
+            assert load_checkpoint(tmp_path / "bi").kind == "bi"

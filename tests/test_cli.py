@@ -80,6 +80,8 @@ def test_train_eval_report_end_to_end(tmp_path, tiny_model_dir, data_file):
         "4",
         "--device",
         "cpu",
+        "--judge",
+        str(run / "bi"),
         "--out",
         str(out),
     )
@@ -96,6 +98,9 @@ def test_train_eval_report_end_to_end(tmp_path, tiny_model_dir, data_file):
     # protocol A negatives come from the whole split, not only the evaluated (limited) pairs
     assert result["meta"]["protocol_a_negative_pool"] == 48 and result["meta"]["test_pairs"] == 10
     assert "Bi-Enc (CORE)" in evaluated.stdout
+    # every row says how often its answer restates the last turn; the gold replies are the reference
+    assert all(0 <= r["restates"] <= 100 for r in result["A"] + result["B"])
+    assert result["restatement"]["threshold"] == 0.8 and 0 <= result["restatement"]["gold"] <= 100
 
     md = tmp_path / "results.md"
     reported = coreply(
@@ -113,6 +118,7 @@ def test_train_eval_report_end_to_end(tmp_path, tiny_model_dir, data_file):
     assert reported.returncode == 0, reported.stderr
     text = md.read_text()
     assert "### Protocol A" in text and "### Protocol B" in text and "| run |" in text
+    assert "restates %" in text and "the human (gold) replies do so in" in text
     assert (tmp_path / "nr.png").stat().st_size > 1000
     assert (tmp_path / "curves.png").stat().st_size > 1000
 

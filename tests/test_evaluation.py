@@ -98,3 +98,33 @@ def test_evaluate_lists_and_retrieve_and_rerank_run_with_real_models(tiny_model_
     )
     assert [len(x) for x in got.rerank] == [3, 3]
     assert all(keys[i] != "hello" for i in got.ids[0])  # the echo of turn 1 is gone
+
+
+def test_restatement_judge_flags_answers_that_repeat_the_last_turn(tiny_model_dir):
+    from training.restatement import RestatementJudge
+
+    torch.manual_seed(0)
+    judge = RestatementJudge(BiEncoder.from_pretrained(ModelConfig(base_model=str(tiny_model_dir))), 0.99)
+    contexts = [("hello", "what is your favorite food ?"), ("do you have a pet ?",), ("how are you ?",)]
+    answers = ["what is your favorite food ?", "yes i have a dog and a cat", None]
+    sims = judge.similarity(contexts[:2], answers[:2])
+    assert sims[0] == pytest.approx(1.0, abs=1e-5) and sims[1] < 0.99
+    assert judge.flags(contexts, answers).tolist() == [1.0, 0.0, 0.0]  # no answer: not a restatement
+    assert judge.rate(contexts, answers) == pytest.approx(100 / 3)
+    with pytest.raises(ValueError, match="threshold"):
+        RestatementJudge(judge.judge, 0.0)
+
+
+def test_ranked_ids_order_the_answers_like_ranks_for():
+    from training.evaluation import ranked_ids
+
+    got = Retrieved(
+        ids=[np.array([0, 1, 2])],
+        retrieval=[np.array([3.0, 2.0, 1.0])],
+        rerank=[np.array([0.0, 0.0, 5.0])],
+        retrieve_s=0.0,
+        rerank_s=0.0,
+    )
+    assert ranked_ids(got, "retrieval", 3)[0].tolist() == [0, 1, 2]
+    assert ranked_ids(got, "rerank", 3)[0].tolist() == [2, 0, 1]
+    assert ranked_ids(got, "rerank", 2)[0].tolist() == [0, 1]

@@ -98,3 +98,11 @@ def test_token_budget_chunks_cover_every_row_once_within_the_budget():
     for chunk in chunks:
         assert len(chunk) == 1 or len(chunk) * max(lengths[i] for i in chunk) <= 64
     assert [lengths[i] for i in np.concatenate(chunks)] == sorted(lengths)
+
+
+def test_tokenizers_of_the_same_vocabulary_share_one_cache(hf_tokenizer):
+    a, b = make(hf_tokenizer), make(hf_tokenizer, max_context_tokens=8)
+    a.warm(["hello hi"])
+    assert b.share_cache(a) and b.cached == 1
+    b.warm(["good fine"])
+    assert a.cached == 2  # one cache, filled once for both

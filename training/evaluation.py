@@ -3,8 +3,8 @@
 * Protocol A ("1-of-N", DSTC7 sub-task 1 style): per test pair, the gold + N-1 negatives drawn with a
   fixed seed from the split's responses whose normalised text differs from the gold's. Scored by the
   bi-encoder, the cross-encoder and their sum.
-* Protocol B ("full pool", DSTC7 sub-task 2 style): retrieve from the pool (BM25 or bi-encoder + FAISS
-  exact inner product), drop echoes of the context, rerank the top n_r with the cross-encoder and fuse.
+* Protocol B ("full pool", DSTC7 sub-task 2 style): retrieve from the pool (BM25 or bi-encoder exact
+  inner product), drop echoes of the context, rerank the top n_r with the cross-encoder and fuse.
 A hit is a retrieved text whose normalised form equals the gold's.
 """
 
@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from coreply.corpus import Pair
 from coreply.fusion import drop_echoes, fuse
@@ -68,7 +69,7 @@ def evaluate_lists(
     bi: BiEncoder | None = None,
     cross: CrossEncoder | None = None,
 ) -> dict[str, dict]:
-    """Protocol A for whichever models are given: {'bi'|'cross'|'sum': {'metrics', 'ranks'}}."""
+    """Protocol A for whichever models are given: {'bi'|'cross'|'sum': {'metrics', 'ranks', 'top'}}."""
     contexts = [p.context for p in pairs]
     scores: dict[str, list[np.ndarray]] = {}
     if bi is not None:
@@ -80,7 +81,8 @@ def evaluate_lists(
     out = {}
     for name, per_pair in scores.items():
         ranks = [gold_rank(s) for s in per_pair]
-        out[name] = {"metrics": summarize(ranks), "ranks": ranks}
+        top = [int(np.argmax(s)) for s in per_pair]  # index of each list's answer
+        out[name] = {"metrics": summarize(ranks), "ranks": ranks, "top": top}
     return out
 
 
@@ -111,20 +113,22 @@ class BM25Retriever:
 
 
 class DenseRetriever:
-    """Bi-encoder + FAISS exact inner-product search over the pool."""
+    """Bi-encoder + exact inner-product search over the pool: one matmul and a top-k on the model's
+    device (the GPU when training there; evaluation needs no FAISS)."""
 
     def __init__(self, bi: BiEncoder, pool: Sequence[str]) -> None:
-        import faiss
-
-        embeddings = bi.embed_responses(pool).numpy().astype("float32")  # [P, D]
-        self.index = faiss.IndexFlatIP(embeddings.shape[1])
-        self.index.add(embeddings)
         self.bi = bi
+        self.embeddings = bi.embed_responses(pool).to(bi.device)  # [P, D]
 
     def __call__(self, contexts: Sequence[Sequence[str]], k: int) -> tuple[np.ndarray, np.ndarray]:
-        queries = self.bi.embed_contexts(contexts).numpy().astype("float32")
-        scores, ids = self.index.search(queries, min(k, self.index.ntotal))
-        return ids, scores
+        ids, scores = [], []
+        k = min(k, len(self.embeddings))
+        for start in range(0, len(contexts), 256):  # [256, P] score blocks keep memory flat
+            queries = self.bi.embed_contexts(contexts[start : start + 256]).to(self.embeddings.device)
+            top = torch.topk(queries @ self.embeddings.T, k, dim=1)  # [Q, k] x2
+            ids.append(top.indices.cpu().numpy())
+            scores.append(top.values.float().cpu().numpy())
+        return np.concatenate(ids), np.concatenate(scores)
 
 
 @dataclass
@@ -169,6 +173,19 @@ def retrieve_and_rerank(
     return Retrieved(ids, retrieval, rerank, retrieve_s, time.perf_counter() - start)
 
 
+def ranked_ids(got: Retrieved, fusion: str, n_r: int, weight: float = 0.5) -> list[np.ndarray]:
+    """Per query, pool ids best first under a fusion of the top ``n_r`` (``retrieval`` keeps the whole
+    retrieved list in retrieval order)."""
+    out = []
+    for i, ids in enumerate(got.ids):
+        if fusion == "retrieval":
+            out.append(ids)
+            continue
+        scores = fuse(fusion, got.retrieval[i][:n_r], got.rerank[i][:n_r], weight)
+        out.append(ids[:n_r][np.argsort(-scores, kind="stable")])
+    return out
+
+
 def ranks_for(
     pairs: Sequence[Pair],
     pool_keys: Sequence[str],
@@ -179,16 +196,9 @@ def ranks_for(
 ) -> list[float]:
     """Rank of the gold under a fusion of the top ``n_r`` (``retrieval`` ranks the whole retrieved list)."""
     ranks = []
-    for i, pair in enumerate(pairs):
+    for pair, ids in zip(pairs, ranked_ids(got, fusion, n_r, weight), strict=True):
         gold = normalize(pair.response)
-        if fusion == "retrieval":
-            ids = got.ids[i]
-            order = np.arange(len(ids))
-        else:
-            ids = got.ids[i][:n_r]
-            scores = fuse(fusion, got.retrieval[i][:n_r], got.rerank[i][:n_r], weight)
-            order = np.argsort(-scores, kind="stable")
-        hits = [r for r, j in enumerate(order) if pool_keys[ids[j]] == gold]
+        hits = [r for r, j in enumerate(ids) if pool_keys[j] == gold]
         ranks.append(float(hits[0] + 1) if hits else float("inf"))
     return ranks
 

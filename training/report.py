@@ -22,10 +22,12 @@ from training.evaluation import (
     choose_zscore_weight,
     evaluate_lists,
     protocol_a_lists,
+    ranked_ids,
     ranks_for,
     retrieve_and_rerank,
 )
 from training.metrics import KS, paired_bootstrap, per_case, summarize
+from training.restatement import RestatementJudge
 
 
 @dataclass
@@ -43,6 +45,7 @@ class EvalSpec:
     candidates: int = 100
     seed: int = 0
     device: str = "cpu"
+    judge: str | None = ZERO_SHOT  # bi-encoder judging restatements (training/restatement.py); None: skip
 
 
 def _row(name: str, ranks: list[float], **extra: Any) -> dict[str, Any]:
@@ -56,11 +59,26 @@ def run_eval(spec: EvalSpec) -> dict[str, Any]:
     bi_name = _label(spec.bi, "Bi")
     cross_name = _label(spec.cross, "Cross")
     result: dict[str, Any] = {"A": [], "B": [], "sweep": []}
+    contexts = [p.context for p in spec.test]
+    judge = RestatementJudge(load_bi(spec.judge, spec.device)) if spec.judge else None
+
+    def restates(answers: list[str | None]) -> dict[str, float]:
+        return {"restates": round(judge.rate(contexts, answers), 2)} if judge else {}
+
+    if judge:
+        result["restatement"] = {
+            "judge": spec.judge,
+            "threshold": judge.threshold,
+            "gold": restates([p.response for p in spec.test])["restates"],
+        }
     if "A" in spec.protocols:
         lists = protocol_a_lists(spec.test, spec.negatives, spec.candidates, spec.seed)
         scored = evaluate_lists(spec.test, lists, bi, cross)  # type: ignore[arg-type]
         names = {"bi": bi_name, "cross": cross_name, "sum": f"{bi_name} + {cross_name} (sum)"}
-        result["A"] = [_row(names[k], v["ranks"]) for k, v in scored.items()]
+        result["A"] = [
+            _row(names[k], v["ranks"], **restates([c[t] for c, t in zip(lists, v["top"], strict=True)]))
+            for k, v in scored.items()
+        ]
     if "B" in spec.protocols:
         keys = [normalize(t) for t in spec.pool]
         depth = max(max(KS), *spec.n_r)
@@ -74,12 +92,18 @@ def run_eval(spec: EvalSpec) -> dict[str, Any]:
             t0 = time.perf_counter()
             score = None if cross is None else lambda c, r: cross.score_pairs(c, r).numpy()
             got = retrieve_and_rerank(spec.test, spec.pool, keys, retrieve, depth, score, max(spec.n_r))
+
+            def answers(fusion: str, n_r: int, weight: float = 0.5) -> list[str | None]:
+                ranked = ranked_ids(got, fusion, n_r, weight)  # noqa: B023 - used within this iteration
+                return [spec.pool[r[0]] if len(r) else None for r in ranked]
+
             per_case_ms = 1000 * got.retrieve_s / len(spec.test)
             result["B"].append(
                 _row(
                     label,
                     ranks_for(spec.test, keys, got, "retrieval", depth),
                     ms_per_case=round(per_case_ms, 2),
+                    **restates(answers("retrieval", depth)),
                 )
             )
             if cross is None:
@@ -100,7 +124,16 @@ def run_eval(spec: EvalSpec) -> dict[str, Any]:
                 ):
                     ranks = ranks_for(spec.test, keys, got, fusion, n_r, weight)
                     name = f"{label} → {cross_name} [{title}]"
-                    result["B"].append(_row(name, ranks, n_r=n_r, fusion=fusion, ms_per_case=round(ms, 2)))
+                    result["B"].append(
+                        _row(
+                            name,
+                            ranks,
+                            n_r=n_r,
+                            fusion=fusion,
+                            ms_per_case=round(ms, 2),
+                            **restates(answers(fusion, n_r, weight)),
+                        )
+                    )
                     result["sweep"].append(
                         {
                             "system": f"{label} → {cross_name} [{fusion}]",
@@ -166,6 +199,14 @@ def render_markdown(
             f"{m['valid_pairs_for_calibration']} validation pairs to choose the z-score weight.",
             "",
         ]
+    gold = next((r["restatement"] for r in results if "restatement" in r), None)
+    if gold:
+        lines += [
+            f"restates %: share of top-1 answers whose cosine with the context's last turn, under "
+            f"{gold['judge']}, is at least {gold['threshold']} (training/restatement.py); the human (gold) "
+            f"replies do so in {gold['gold']:.1f} % of these cases.",
+            "",
+        ]
     if runs:
         lines += [
             "| run | steps | examples seen | train time (s) | best valid hits@1 | device |",
@@ -207,6 +248,8 @@ def render_markdown(
         ]
         cols = [f"hits@{k}" for k in KS] + ["mrr"]
         extra = ["n_r", "ms/case"] if protocol == "B" else []
+        if gold:
+            extra.append("restates %")
         lines.append("| system | " + " | ".join(cols + extra) + " | p |")
         lines.append("|" + "---|" * (len(cols) + len(extra) + 2))
         for r in unique.values():
@@ -218,6 +261,8 @@ def render_markdown(
             cells = [f"{m[c]:.1f}" for c in cols]
             if protocol == "B":
                 cells += [str(r.get("n_r", "–")), f"{r.get('ms_per_case', float('nan')):.1f}"]
+            if gold:
+                cells.append(f"{r['restates']:.1f}" if "restates" in r else "–")
             lines.append(f"| {r['system']} | " + " | ".join(cells) + f" | {p} |")
         lines.append("")
     return "\n".join(lines)

@@ -224,12 +224,17 @@ class Trainer:
         return bi, cross, teacher  # type: ignore[return-value]
 
     def _warm_tokenizers(self, pool: Sequence[str]) -> float:
-        """Tokenise every training text once; steps then assemble inputs from cached ids."""
+        """Tokenise every training text once (once for all models that share a tokenizer); steps then
+        assemble inputs from cached ids."""
         start = time.perf_counter()
         texts = [t for p in self.train_pairs for t in (*p.context, p.response)] + list(pool)
+        warmed: list[DialogueTokenizer] = []
         for model in (self.bi, self.cross, self.teacher):
-            if model is not None:
+            if model is None:
+                continue
+            if not any(model.tokenizer.share_cache(w) for w in warmed):
                 model.tokenizer.warm(texts)
+                warmed.append(model.tokenizer)
         return time.perf_counter() - start
 
     # ------------------------------------------------------------------------------------ batches

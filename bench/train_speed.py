@@ -1,0 +1,254 @@
+"""Training throughput per mode: contexts/s, tokens/s, padding and model-FLOP utilisation (MFU).
+
+Each mode trains a few warm-up steps, then ``--steps`` timed optimizer steps (the GPU is synchronised
+at both ends of the window). FLOPs count the useful (unpadded) work of every transformer pass: per
+sequence of L tokens and per layer, 2·L·P_layer for the weight matrices plus 4·L²·d for attention,
+times 3 for a trained model (forward + backward) and 1 for a forward without gradient (the frozen
+teacher; mutual learning's recomputed retriever scores). MFU divides by the device's nominal dense
+bf16 peak (H100/H200) and, on any device, by a measured large-matmul peak.
+
+    python bench/train_speed.py --out docs/train-speed-gpu.json            # CUDA: all-MiniLM-L6-v2
+    python bench/train_speed.py --steps 3 --pairs 2000 --out /tmp/ts.json  # CPU: the tiny test model
+
+``--variant`` adds ablations of the same mode: ``no-cache`` (every step calls the tokenizer, as before
+the id cache), ``no-prefetch``, ``chunks=N`` (reranker pairs in token-budget chunks of N), ``batch=N``,
+``compile``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from bench import provenance  # bench/bench.py: this script's directory is on sys.path
+from coreply.checkpoint import save_checkpoint
+from coreply.config import ModelConfig
+from coreply.corpus import build_pool, load_chitchat
+from coreply.device import resolve_device
+from coreply.models import CrossEncoder
+from training.config import MODES, TrainConfig
+from training.trainer import Trainer
+
+NOMINAL_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense, SXM parts
+
+
+def nominal_peak() -> float | None:
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    if "H100" in name and "PCIe" in name:
+        return 756e12
+    return next((v * 1e12 for k, v in NOMINAL_BF16_TFLOPS.items() if k in name), None)
+
+
+def measured_peak(device: torch.device) -> float:
+    """FLOP/s of a large square matmul: bf16 on CUDA, fp32 on CPU."""
+    n, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (1024, torch.float32)
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    reps = 20 if device.type == "cuda" else 5
+    a @ b
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    _sync(device)
+    return 2 * n**3 * reps / (time.perf_counter() - start)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def layer_flops(model: torch.nn.Module) -> tuple[int, int, int]:
+    """(layers, weight FLOPs per token per layer = 2 x matrix parameters, hidden size)."""
+    backbone = getattr(model, "backbone", None) or model.context_tower
+    layers = backbone.encoder.layer
+    params = sum(p.numel() for n, p in layers[0].named_parameters() if p.dim() == 2 and "lora" not in n)
+    return len(layers), 2 * params, backbone.config.hidden_size
+
+
+def pass_flops(model: torch.nn.Module, lengths: torch.Tensor) -> float:
+    """One forward pass over sequences of these real lengths."""
+    n_layers, per_token, hidden = layer_flops(model)
+    lengths = lengths.double()
+    return float(n_layers * (per_token * lengths.sum() + 4 * hidden * (lengths**2).sum()))
+
+
+def step_flops(trainer: Trainer, batches: list) -> float:
+    """Useful FLOPs of one optimizer step (see the module docstring)."""
+    total = 0.0
+    mode = trainer.cfg.mode
+    for mb in batches:
+        if trainer.bi is not None:
+            bi_lengths = torch.cat([mb.contexts.attention_mask.sum(1), mb.responses.attention_mask.sum(1)])
+            total += (4 if mode == "mutual" else 3) * pass_flops(trainer.bi, bi_lengths)
+        if trainer.cross is not None:
+            total += 3 * pass_flops(trainer.cross, torch.cat([b.attention_mask.sum(1) for _, b in mb.cross]))
+        if trainer.teacher is not None:
+            total += pass_flops(trainer.teacher, torch.cat([b.attention_mask.sum(1) for _, b in mb.teacher]))
+    return total
+
+
+def measure(
+    cfg: TrainConfig, pairs, pool, variant: str, warmup: int, steps: int, epoch: int
+) -> dict[str, Any]:
+    """Throughput of ``steps`` optimizer steps; ``epoch``: contexts in one epoch, for its duration."""
+    trainer = Trainer(cfg, pairs, [], pool)
+    if variant == "no-cache":
+        for model in (trainer.bi, trainer.cross, trainer.teacher):
+            if model is not None:
+                model.tokenizer._cache.clear()
+    flops, real_take = [0.0], trainer._take
+
+    def counted_take(epoch: int, index: int):
+        batches = real_take(epoch, index)
+        flops[0] += step_flops(trainer, batches)
+        return batches
+
+    trainer._take = counted_take  # type: ignore[method-assign]
+    for i in range(warmup):
+        trainer.reduce_losses(trainer.train_step(0, i))
+    _sync(trainer.device)
+    flops[0], trainer.token_counts = 0.0, {}
+    start = time.perf_counter()
+    window = None
+    for i in range(warmup, warmup + steps):
+        logs = trainer.train_step(*divmod(i, trainer.steps_per_epoch))
+        window = logs if window is None else (window.merge(logs) or window)
+    losses = trainer.reduce_losses(window, steps)
+    _sync(trainer.device)
+    seconds = time.perf_counter() - start
+    counts = trainer.token_counts
+    real = sum(v for k, v in counts.items() if k.endswith("_tokens"))
+    padded = sum(v for k, v in counts.items() if k.endswith("_padded"))
+    memory = torch.cuda.max_memory_allocated() / 2**30 if trainer.device.type == "cuda" else None
+    result = {
+        "contexts_per_s": round(steps * trainer.global_batch / seconds, 1),
+        "steps_per_s": round(steps / seconds, 2),
+        "tokens_per_s": round(real / seconds),
+        "padding_share": round(1 - real / padded, 3) if padded else None,
+        "model_tflops_per_s": round(flops[0] / seconds / 1e12, 3),
+        "tokenize_seconds": round(trainer.tokenize_seconds, 1),
+        "epoch_minutes": round(epoch / (steps * trainer.global_batch / seconds) / 60, 1),
+        "peak_memory_gib": round(memory, 1) if memory is not None else None,
+        "losses": {k: round(v, 4) for k, v in losses.items()},
+    }
+    return result
+
+
+def config_for(base: TrainConfig, mode: str, variant: str, teacher: str) -> TrainConfig:
+    cfg = replace(base, mode=mode, teacher=teacher if mode == "distill" else None)
+    if variant == "no-prefetch":
+        cfg = replace(cfg, prefetch=False)
+    elif variant == "compile":
+        cfg = replace(cfg, compile=True)
+    elif variant.startswith("chunks="):
+        cfg = replace(cfg, max_batch_tokens=int(variant.split("=")[1]))
+    elif variant.startswith("batch="):
+        cfg = replace(cfg, batch_size=int(variant.split("=")[1]))
+    elif variant not in ("base", "no-cache"):
+        raise SystemExit(f"train_speed: unknown --variant {variant!r}")
+    return cfg
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--modes", nargs="+", default=["independent", "distill", "core", "mutual"], choices=MODES)
+    p.add_argument(
+        "--variant", nargs="+", default=["base"], help="base, no-cache, no-prefetch, chunks=N, ..."
+    )
+    p.add_argument(
+        "--base-model", default=None, help="default: all-MiniLM-L6-v2 on CUDA, the tiny model on CPU"
+    )
+    p.add_argument("--batch-size", type=int, default=64, help="contexts per step")
+    p.add_argument("--num-negatives", type=int, default=31, help="delta_r: each list is 1 gold + this many")
+    p.add_argument("--max-batch-tokens", type=int, default=0)
+    p.add_argument("--in-batch", action="store_true", help="the retriever also ranks other contexts' lists")
+    p.add_argument("--steps", type=int, default=20, help="timed optimizer steps per mode")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--pairs", type=int, default=0, help="use the first N training pairs (0 = all 118,111)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    if args.steps < 1 or args.warmup < 0 or args.batch_size < 1 or args.num_negatives < 1:
+        raise SystemExit("train_speed: --steps, --batch-size and --num-negatives must be >= 1, --warmup >= 0")
+
+    device = resolve_device(args.device)
+    work = Path(tempfile.mkdtemp(prefix="train-speed-"))
+    base_model = args.base_model
+    if base_model is None:
+        if device.type == "cuda":
+            base_model = "default"
+        else:
+            sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+            from tiny import write_tiny_model
+
+            base_model = str(write_tiny_model(work / "tiny"))
+    model = ModelConfig(base_model=base_model)
+    splits = load_chitchat(model.max_turns)
+    pairs = splits["train"][: args.pairs or None]
+    pool = build_pool(p.response for p in pairs)
+    teacher = work / "teacher"
+    save_checkpoint(CrossEncoder.from_pretrained(model), teacher, {"note": "untrained: timing only"})
+    base = TrainConfig(
+        output_dir=str(work / "run"),
+        model=model,
+        num_negatives=args.num_negatives,
+        batch_size=args.batch_size,
+        max_batch_tokens=args.max_batch_tokens,
+        in_batch=args.in_batch,
+        max_steps=10**9,
+        valid_size=0,
+        device=str(device),
+    )
+    peak = measured_peak(device)
+    nominal = nominal_peak()
+    rows = []
+    for mode in args.modes:
+        for variant in args.variant:
+            cfg = config_for(base, mode, variant, str(teacher))
+            r = measure(cfg, pairs, pool, variant, args.warmup, args.steps, len(splits["train"]))
+            gc.collect()  # the run's models go before the next one starts
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            r |= {"mode": mode, "variant": variant, "batch_size": cfg.batch_size}
+            r["mfu_vs_measured_matmul"] = round(r["model_tflops_per_s"] * 1e12 / peak, 4)
+            if nominal:
+                r["mfu"] = round(r["model_tflops_per_s"] * 1e12 / nominal, 4)
+            rows.append(r)
+            print(
+                f"{mode:<12} {variant:<12} {r['contexts_per_s']:>9.1f} ctx/s {r['tokens_per_s']:>10} tok/s "
+                f"pad {r['padding_share']} {r['model_tflops_per_s']:.2f} TFLOP/s "
+                f"MFU {r.get('mfu', r['mfu_vs_measured_matmul']):.3f} epoch {r['epoch_minutes']} min",
+                flush=True,
+            )
+    result = {
+        **provenance(),
+        "base_model": base_model,
+        "device": str(device),
+        "train_pairs": len(pairs),
+        "list_size": args.num_negatives + 1,
+        "measured_matmul_tflops": round(peak / 1e12, 2),
+        "nominal_bf16_tflops": nominal and nominal / 1e12,
+        "rows": rows,
+    }
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
