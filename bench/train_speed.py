@@ -140,7 +140,7 @@ def measure(
         "steps_per_s": round(steps / seconds, 2),
         "tokens_per_s": round(real / seconds),
         "padding_share": round(1 - real / padded, 3) if padded else None,
-        "model_tflops_per_s": round(flops[0] / seconds / 1e12, 3),
+        "model_tflops_per_s": float(f"{flops[0] / seconds / 1e12:.4g}"),
         "tokenize_seconds": round(trainer.tokenize_seconds, 1),
         "epoch_minutes": round(epoch / (steps * trainer.global_batch / seconds) / 60, 1),
         "peak_memory_gib": round(memory, 1) if memory is not None else None,
@@ -226,7 +226,7 @@ def main() -> None:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
             r |= {"mode": mode, "variant": variant, "batch_size": cfg.batch_size}
-            r["mfu_vs_measured_matmul"] = round(r["model_tflops_per_s"] * 1e12 / peak, 4)
+            r["mfu_vs_measured_matmul"] = float(f"{r['model_tflops_per_s'] * 1e12 / peak:.4g}")
             if nominal:
                 r["mfu"] = round(r["model_tflops_per_s"] * 1e12 / nominal, 4)
             rows.append(r)

@@ -128,3 +128,21 @@ def test_ranked_ids_order_the_answers_like_ranks_for():
     assert ranked_ids(got, "retrieval", 3)[0].tolist() == [0, 1, 2]
     assert ranked_ids(got, "rerank", 3)[0].tolist() == [2, 0, 1]
     assert ranked_ids(got, "rerank", 2)[0].tolist() == [0, 1]
+
+
+def test_report_keeps_two_recipes_with_one_label_apart_and_one_shared_baseline_once():
+    from training.metrics import summarize
+    from training.report import render_markdown
+
+    def result(name, ranks):
+        rows = [
+            {"system": "Bi-Enc", "metrics": summarize(ranks), "ranks": ranks},
+            {"system": "BM25", "metrics": summarize([2.0, 2.0]), "ranks": [2.0, 2.0]},
+        ]
+        meta = dict(name=name, date="2026-11-23", machine="cpu", test_pairs=2, pool_size=9)
+        meta |= dict(candidates_protocol_a=4, valid_pairs_for_calibration=0)
+        return {"meta": meta, "A": rows}
+
+    text = render_markdown([result("shared", [1.0, 3.0]), result("separate", [1.0, 1.0])])
+    assert "| Bi-Enc |" in text and "| Bi-Enc [separate] |" in text
+    assert text.count("| BM25 |") == 1

@@ -169,9 +169,12 @@ def _label(path: str | None, kind: str) -> str:
     if path == ZERO_SHOT:
         return "zero-shot MiniLM"
     train_config = read_meta(path, verify=False).get("extra", {}).get("train_config", {})
-    suffix = {"core": "CORE", "mutual": "mutual", "distill": "distill"}.get(train_config.get("mode", ""), "")
+    parts = [{"core": "CORE", "mutual": "mutual", "distill": "distill"}.get(train_config.get("mode", ""), "")]
     if train_config.get("hard_negatives"):
-        suffix += "+hard" if suffix else "hard"
+        parts.append("hard")
+    if train_config.get("own_turn_negatives") or train_config.get("paraphrase_negatives"):
+        parts.append("restate")  # restatement negatives (training/sampling.py)
+    suffix = "+".join(p for p in parts if p)
     return f"{kind}-Enc ({suffix})" if suffix else f"{kind}-Enc"
 
 
@@ -224,12 +227,17 @@ def render_markdown(
         ("A", f"Protocol A (1 gold + {size - 1} negatives)"),
         ("B", "Protocol B (full pool)"),
     ):
-        rows = [r for res in results for r in res.get(protocol, [])]
+        rows = [(res.get("meta", {}).get("name", ""), r) for res in results for r in res.get(protocol, [])]
         if not rows:
             continue
+        # One row per system; the same system from two runs that rank differently (two recipes with
+        # one label) keeps both, named by their eval run.
         unique: dict[str, dict[str, Any]] = {}
-        for r in rows:
+        for run, r in rows:
             key = r["system"] + (f" n_r={r['n_r']}" if "n_r" in r else "")
+            if key in unique and unique[key]["ranks"] != r["ranks"]:
+                r = {**r, "system": f"{r['system']} [{run}]"}
+                key = r["system"] + (f" n_r={r['n_r']}" if "n_r" in r else "")
             unique.setdefault(key, r)
         sizes = {len(r["ranks"]) for r in unique.values()}
         baselines = [(k, r) for k, r in unique.items() if not _is_core(r["system"])]

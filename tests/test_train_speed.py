@@ -1,0 +1,30 @@
+"""bench/train_speed.py on the tiny model and a slice of the corpus: the CPU smoke run CI can afford."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+
+
+def test_train_speed_reports_throughput_padding_and_utilisation_per_mode_and_variant(tmp_path):
+    out = tmp_path / "speed.json"
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "train_speed.py"), "--device", "cpu", "--steps", "1",
+         "--warmup", "1", "--pairs", "300", "--batch-size", "4", "--num-negatives", "3",
+         "--modes", "core", "distill", "--variant", "base", "chunks=64", "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    result = json.loads(out.read_text())
+    assert result["train_pairs"] == 300 and result["list_size"] == 4 and result["date"]
+    rows = {(r["mode"], r["variant"]): r for r in result["rows"]}
+    assert set(rows) == {(m, v) for m in ("core", "distill") for v in ("base", "chunks=64")}
+    for r in rows.values():
+        assert r["contexts_per_s"] > 0 and r["tokens_per_s"] > 0 and r["model_tflops_per_s"] > 0
+        assert 0 < r["mfu_vs_measured_matmul"] < 1
+        assert "bi_loss" in r["losses"]
+    # chunking the reranker's pairs by a token budget pads less than one batch padded to the longest
+    assert rows["core", "chunks=64"]["padding_share"] < rows["core", "base"]["padding_share"]
+    assert "cross_loss" not in rows["distill", "base"]["losses"]  # distill trains the retriever only
