@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from coreply.checkpoint import base_weights, read_meta, sha256_file
+from coreply.checkpoint import base_weights, fp16_fingerprint, read_meta, sha256_file
 from coreply.config import ModelConfig
 from index_builder.default import DEFAULT_BI
 
@@ -14,6 +14,7 @@ def test_shipped_weights_verify_and_name_the_installed_base_model():
     config = ModelConfig.from_dict(meta["model_config"])
     assert config.base_model == "default" and config.normalize and config.share_towers
     assert meta["adapter"]["base_sha256"] == sha256_file(base_weights(config))
+    assert meta["adapter"]["base_fp16_sha256"] == fp16_fingerprint(base_weights(config))
     # the provenance the issue asks for travels with the weights
     assert {"command", "data", "date", "test_metrics", "train_config"} <= set(meta["extra"])
 
