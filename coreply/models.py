@@ -162,9 +162,13 @@ class BiEncoder(_Encoder):
         """-> [N, D]"""
         return self._embed(self.response_tower, self.response_projection, batch)
 
-    def forward(self, contexts: Batch, responses: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> context embeddings [B, D], response embeddings [M, D]; scores are ``ctx @ resp.T``."""
-        return self.encode_context(contexts), self.encode_response(responses)
+    def forward(
+        self, contexts: Batch, responses: Batch | Sequence[Batch]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> context embeddings [B, D], response embeddings [M, D]; scores are ``ctx @ resp.T``.
+        ``responses`` may come as chunks (less padding); their embeddings are concatenated in order."""
+        chunks = [responses] if isinstance(responses, Batch) else responses
+        return self.encode_context(contexts), torch.cat([self.encode_response(r) for r in chunks])
 
     @torch.inference_mode()
     def embed_contexts(self, contexts: Sequence[Sequence[str]], batch_size: int = 64) -> torch.Tensor:
@@ -216,8 +220,11 @@ class CrossEncoder(_Encoder):
     def backbone_config(self) -> dict[str, Any]:
         return self.backbone.config.to_dict()
 
-    def forward(self, pairs: Batch) -> torch.Tensor:
-        """pairs [N, L] -> scores [N]"""
+    def forward(self, pairs: Batch | Sequence[Batch]) -> torch.Tensor:
+        """pairs [N, L] -> scores [N]; chunks of pairs (less padding) -> their scores concatenated.
+        Chunks go through one call, so a DistributedDataParallel wrapper sees one forward per step."""
+        if not isinstance(pairs, Batch):
+            return torch.cat([self.forward(chunk) for chunk in pairs])
         out = self.backbone(
             input_ids=pairs.input_ids,
             attention_mask=pairs.attention_mask,

@@ -234,23 +234,27 @@ def test_hard_negative_miner_takes_the_retrievers_top_candidates_except_the_gold
     assert miner.embeddings is not first
 
 
-def test_length_sorted_reranker_chunks_score_like_one_padded_batch(tmp_path, tiny_model_dir, toy_pairs):
+def test_length_sorted_chunks_score_like_one_padded_batch(tmp_path, tiny_model_dir, toy_pairs):
     one = Trainer(config(tmp_path, tiny_model_dir, mode="core"), toy_pairs, [], pool_of(toy_pairs))
     chunked = Trainer(
         config(tmp_path, tiny_model_dir, mode="core", max_batch_tokens=60), toy_pairs, [], pool_of(toy_pairs)
     )
-    chunked.cross.load_state_dict(one.cross.state_dict())
-    one.cross.eval(), chunked.cross.eval()
+    chunked.bi.load_state_dict(one.bi.state_dict()), chunked.cross.load_state_dict(one.cross.state_dict())
+    for m in (one.bi, one.cross, chunked.bi, chunked.cross):
+        m.eval()
     pairs, rng = one._global_batch(0, 0)
     lists = one._candidate_lists(pairs, rng)
     a, b = one._micro_batch(pairs, lists), chunked._micro_batch(pairs, lists)
-    assert len(a.cross) == 1 and len(b.cross) > 1
-    assert b.counts["cross_tokens"] == a.counts["cross_tokens"]
-    assert b.counts["cross_padded"] < a.counts["cross_padded"]
+    assert len(a.cross) == len(a.responses) == 1 and len(b.cross) > 1 and len(b.responses) > 1
+    for name in ("bi", "cross"):
+        assert b.counts[f"{name}_tokens"] == a.counts[f"{name}_tokens"]
+        assert b.counts[f"{name}_padded"] < a.counts[f"{name}_padded"]
     with torch.no_grad():
         want = one._cross_scores(one.cross, a.cross, a.lists)
         got = chunked._cross_scores(chunked.cross, b.cross, b.lists)
-    assert got.shape == (4, 4) and torch.allclose(got, want, atol=1e-5)
+        assert got.shape == (4, 4) and torch.allclose(got, want, atol=1e-5)
+        for want_r, got_r in zip(one._bi_scores(a), chunked._bi_scores(b), strict=True):
+            assert got_r is None or torch.allclose(got_r, want_r, atol=1e-5)
 
 
 def test_restatement_negatives_come_from_the_context_and_the_last_turns_neighbours(

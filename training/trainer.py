@@ -64,6 +64,10 @@ class StepLosses:
             self.add(name, value)
 
 
+Chunks = list[tuple[np.ndarray, Batch]]
+"""Model input in length-sorted chunks: (row ids, padded rows); row ids say where each row belongs."""
+
+
 @dataclass
 class MicroBatch:
     """One micro-batch, ready for the models: candidate lists (gold first) and their token ids, built
@@ -72,37 +76,60 @@ class MicroBatch:
     pairs: list[Pair]
     lists: list[list[str]]
     contexts: Batch | None = None  # bi-encoder contexts [B, Lc]
-    responses: Batch | None = None  # bi-encoder candidates, list after list [B*N, Lr]
-    cross: list[tuple[np.ndarray, Batch]] | None = None  # reranker pairs: (row ids, chunk) [B*N] in all
-    teacher: list[tuple[np.ndarray, Batch]] | None = None  # the same pairs for a distillation teacher
+    responses: Chunks | None = None  # bi-encoder candidates, list after list [B*N] in all
+    cross: Chunks | None = None  # reranker pairs, list after list [B*N] in all
+    teacher: Chunks | None = None  # the same pairs for a distillation teacher
 
     @property
     def counts(self) -> dict[str, int]:
         """Real and padded tokens per model, for throughput figures."""
         out: dict[str, int] = {}
-        bi = [b for b in (self.contexts, self.responses) if b is not None]
+        bi = [self.contexts] + [b for _, b in self.responses] if self.contexts is not None else []
         for name, batches in (("bi", bi), ("cross", [b for _, b in self.cross or []])):
             if batches:
                 out[f"{name}_tokens"] = sum(b.tokens for b in batches)
                 out[f"{name}_padded"] = sum(b.input_ids.numel() for b in batches)
         return out
 
+    def pin_memory(self) -> MicroBatch:
+        pin = lambda chunks: [(i, b.pin_memory()) for i, b in chunks] if chunks else chunks  # noqa: E731
+        contexts = self.contexts.pin_memory() if self.contexts is not None else None
+        return MicroBatch(
+            self.pairs, self.lists, contexts, pin(self.responses), pin(self.cross), pin(self.teacher)
+        )
+
+
+def in_chunks(make_batch, rows: list, lengths: Sequence[int], max_tokens: int) -> Chunks:
+    """``rows`` as one padded batch, or (``max_tokens`` > 0) length-sorted chunks of at most that many
+    padded tokens each."""
+    if not max_tokens:
+        return [(np.arange(len(rows)), make_batch(rows))]
+    return [(idx, make_batch([rows[i] for i in idx])) for idx in token_budget_chunks(lengths, max_tokens)]
+
+
+def in_row_order(out: torch.Tensor, chunks: Chunks) -> torch.Tensor:
+    """Outputs of chunked rows [N, ...] back in row order."""
+    if len(chunks) == 1:
+        return out
+    order = np.argsort(np.concatenate([i for i, _ in chunks]))
+    return out[torch.from_numpy(order).to(out.device)]
+
 
 def pair_chunks(
     tok: DialogueTokenizer, contexts: Sequence[Sequence[str]], lists: Sequence[Sequence[str]], max_tokens: int
-) -> list[tuple[np.ndarray, Batch]]:
-    """Every (context, candidate) pair, list after list, as reranker input: one padded batch, or
-    length-sorted chunks of at most ``max_tokens`` padded tokens. Row ids say where each row belongs."""
+) -> Chunks:
+    """Every (context, candidate) pair, list after list, as reranker input."""
     bodies = tok.context_bodies(contexts)
     c_rows = [b for b, cands in zip(bodies, lists, strict=True) for _ in cands]
-    r_rows = tok.response_bodies([t for cands in lists for t in cands])
-    if not max_tokens:
-        return [(np.arange(len(c_rows)), tok.batch_pairs(c_rows, r_rows))]
-    lengths = [len(c) + len(r) + 3 for c, r in zip(c_rows, r_rows, strict=True)]
-    return [
-        (idx, tok.batch_pairs([c_rows[i] for i in idx], [r_rows[i] for i in idx]))
-        for idx in token_budget_chunks(lengths, max_tokens)
-    ]
+    rows = list(zip(c_rows, tok.response_bodies([t for cands in lists for t in cands]), strict=True))
+    lengths = [len(c) + len(r) + 3 for c, r in rows]
+    return in_chunks(lambda rs: tok.batch_pairs(*zip(*rs, strict=True)), rows, lengths, max_tokens)
+
+
+def response_chunks(tok: DialogueTokenizer, lists: Sequence[Sequence[str]], max_tokens: int) -> Chunks:
+    """Every candidate, list after list, as bi-encoder response input."""
+    bodies = tok.response_bodies([t for cands in lists for t in cands])
+    return in_chunks(tok.batch_singles, bodies, [len(b) + 2 for b in bodies], max_tokens)
 
 
 def _world() -> tuple[int, int]:
@@ -265,20 +292,15 @@ class Trainer:
         """Token ids for one micro-batch (on the CPU; pinned for a CUDA device)."""
         mb = MicroBatch(pairs, lists)
         contexts = [p.context for p in pairs]
+        budget = self.cfg.max_batch_tokens
         if self.bi is not None:
-            tok = self.bi.tokenizer
-            mb.contexts = tok.contexts(contexts)
-            mb.responses = tok.responses([t for cands in lists for t in cands])
+            mb.contexts = self.bi.tokenizer.contexts(contexts)
+            mb.responses = response_chunks(self.bi.tokenizer, lists, budget)
         if self.cross is not None:
-            mb.cross = pair_chunks(self.cross.tokenizer, contexts, lists, self.cfg.max_batch_tokens)
+            mb.cross = pair_chunks(self.cross.tokenizer, contexts, lists, budget)
         if self.teacher is not None:
-            mb.teacher = pair_chunks(self.teacher.tokenizer, contexts, lists, self.cfg.max_batch_tokens)
-        if self.device.type == "cuda":
-            pin = lambda b: b.pin_memory() if b is not None else None  # noqa: E731
-            mb.contexts, mb.responses = pin(mb.contexts), pin(mb.responses)
-            mb.cross = [(i, b.pin_memory()) for i, b in mb.cross] if mb.cross else mb.cross
-            mb.teacher = [(i, b.pin_memory()) for i, b in mb.teacher] if mb.teacher else mb.teacher
-        return mb
+            mb.teacher = pair_chunks(self.teacher.tokenizer, contexts, lists, budget)
+        return mb.pin_memory() if self.device.type == "cuda" else mb
 
     def _prepare(self, epoch: int, index: int) -> list[MicroBatch]:
         """This rank's micro-batches of global batch ``index`` of ``epoch`` (every rank draws the same
@@ -314,9 +336,10 @@ class Trainer:
         """-> own-list scores R [B, N], and the CE logits/targets (over all lists with in-batch negatives)."""
         b, n = len(mb.lists), len(mb.lists[0])
         ctx, resp = self.wrapped["bi"](
-            mb.contexts.to(self.device, non_blocking=True), mb.responses.to(self.device, non_blocking=True)
+            mb.contexts.to(self.device, non_blocking=True),
+            [chunk.to(self.device, non_blocking=True) for _, chunk in mb.responses],
         )
-        resp = resp.view(b, n, -1)  # [B, N, D]
+        resp = in_row_order(resp, mb.responses).view(b, n, -1)  # [B, N, D]
         own = torch.einsum("bd,bnd->bn", ctx, resp)  # [B, N]
         if not self.cfg.in_batch:
             return own, own, None
@@ -324,13 +347,10 @@ class Trainer:
         targets = torch.arange(b, device=ctx.device) * n
         return own, everything, targets
 
-    def _cross_scores(self, model, chunks: list[tuple[np.ndarray, Batch]], lists: Sequence[Sequence[str]]):
+    def _cross_scores(self, model, chunks: Chunks, lists: Sequence[Sequence[str]]) -> torch.Tensor:
         """-> G [B, N], rows put back in list order after length-sorted chunks."""
-        scores = torch.cat([model(batch.to(self.device, non_blocking=True)) for _, batch in chunks])  # [B*N]
-        if len(chunks) > 1:
-            order = torch.from_numpy(np.argsort(np.concatenate([i for i, _ in chunks]))).to(self.device)
-            scores = scores[order]
-        return scores.view(len(lists), -1)
+        scores = model([batch.to(self.device, non_blocking=True) for _, batch in chunks])  # [B*N]
+        return in_row_order(scores, chunks).view(len(lists), -1)
 
     # ------------------------------------------------------------------------------------ one step
 
