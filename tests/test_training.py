@@ -283,3 +283,22 @@ def test_negative_counts_are_checked():
         TrainConfig(num_negatives=4, own_turn_negatives=2, paraphrase_negatives=2, hard_negatives=1)
     with pytest.raises(ValueError, match="must be >= 0"):
         TrainConfig(own_turn_negatives=-1)
+
+
+def test_prefetching_the_next_step_trains_exactly_like_building_it_in_turn(
+    tmp_path, tiny_model_dir, toy_pairs
+):
+    runs = []
+    for prefetch in (True, False):
+        cfg = config(
+            tmp_path, tiny_model_dir, mode="core", prefetch=prefetch, output_dir=str(tmp_path / str(prefetch))
+        )
+        trainer = Trainer(cfg, toy_pairs, [], pool_of(toy_pairs))
+        trainer.bi.eval(), trainer.cross.eval()  # no dropout: both runs are deterministic
+        assert (trainer._prefetcher is not None) == prefetch
+        losses = [
+            trainer.reduce_losses(trainer.train_step(*divmod(i, trainer.steps_per_epoch))) for i in range(4)
+        ]
+        runs.append((losses, [p.detach().clone() for p in trainer.cross.parameters()]))
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1], strict=True))
