@@ -276,6 +276,11 @@ def test_restatement_negatives_come_from_the_context_and_the_last_turns_neighbou
         last = trainer.bi.embed_responses([pair.context[-1]])  # [1, D]
         nearest = torch.topk((last @ trainer.miner.embeddings.T)[0], 2 * 2 + 1).indices.tolist()
         assert set(cands[3:5]) <= {trainer.miner.pool[i] for i in nearest}
+    # without own-turn negatives the miner still never offers a copy of a context turn (an echo, which
+    # the service filters anyway, and the nearest "paraphrase" of the last turn is itself)
+    trainer.cfg.own_turn_negatives = 0
+    for pair, cands in zip(pairs, trainer._candidate_lists(pairs, rng), strict=True):
+        assert not {normalize(t) for t in cands[1:]} & {normalize(t) for t in pair.context}
 
 
 def test_negative_counts_are_checked():

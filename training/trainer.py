@@ -273,12 +273,18 @@ class Trainer:
 
     def _candidate_lists(self, pairs: Sequence[Pair], rng: np.random.Generator) -> list[list[str]]:
         """Positive first, then delta_r negatives: the context's own turns, the pool's paraphrases of
-        the last turn, retriever-mined hard ones (each as configured), and random ones for the rest."""
+        the last turn (never its copy), retriever-mined hard ones (each as configured), and random ones
+        for the rest."""
         cfg = self.cfg
         lists = [[p.response, *own_turn_negatives(p, cfg.own_turn_negatives)] for p in pairs]
         if self.miner is not None:
             for count, by in ((cfg.paraphrase_negatives, "last_turn"), (cfg.hard_negatives, "context")):
-                avoid = [{normalize(t) for t in cands} for cands in lists]
+                # Mined negatives are never a copy of a context turn: the service filters those echoes,
+                # and a copy (cosine 1) is the own-turn negatives' business.
+                avoid = [
+                    {normalize(t) for t in (*cands, *p.context)}
+                    for p, cands in zip(pairs, lists, strict=True)
+                ]
                 for cands, mined in zip(
                     lists, self.miner.mine(self.bi, pairs, rng, count, by, avoid), strict=True
                 ):
