@@ -6,7 +6,7 @@
 #
 # then every device call (carry: .lease and runs/lease) is one line of stages, ending with `pack`:
 #
-#   bash scripts/gpu_lease.sh setup speed train wait:420 pack   # call 1
+#   bash scripts/gpu_lease.sh setup speed train wait:240 pack   # call 1
 #   bash scripts/gpu_lease.sh setup train wait:540 pack         # call 2 (train: restarts the queue only if
 #                                                               #  the machine is fresh, else a no-op)
 #   bash scripts/gpu_lease.sh setup eval:480 pack               # call 3 (and 4: evals resume)
