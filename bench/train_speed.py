@@ -185,8 +185,10 @@ def main() -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    if args.steps < 1 or args.warmup < 0 or args.batch_size < 1 or args.num_negatives < 1:
-        raise SystemExit("train_speed: --steps, --batch-size and --num-negatives must be >= 1, --warmup >= 0")
+    if min(args.steps, args.batch_size, args.num_negatives) < 1:
+        raise SystemExit("train_speed: --steps, --batch-size and --num-negatives must be >= 1")
+    if min(args.warmup, args.pairs, args.max_batch_tokens) < 0:
+        raise SystemExit("train_speed: --warmup, --pairs and --max-batch-tokens must be >= 0")
 
     device = resolve_device(args.device)
     work = Path(tempfile.mkdtemp(prefix="train-speed-"))

@@ -189,8 +189,6 @@ class DialogueTokenizer:
 
     def pairs(self, contexts: Sequence[Sequence[str]], responses: Sequence[str]) -> Batch:
         """One row per (contexts[i], responses[i])."""
-        if len(contexts) != len(responses):
-            raise ValueError("pairs() needs as many contexts as responses")
         unique = list(dict.fromkeys(tuple(c) for c in contexts))
         bodies = dict(zip(unique, self.context_bodies(unique), strict=True))
         return self.batch_pairs([bodies[tuple(c)] for c in contexts], self.response_bodies(responses))

@@ -19,6 +19,7 @@ from coreply.text import normalize
 from training.evaluation import (
     BM25Retriever,
     DenseRetriever,
+    Retrieved,
     choose_zscore_weight,
     evaluate_lists,
     protocol_a_lists,
@@ -93,17 +94,13 @@ def run_eval(spec: EvalSpec) -> dict[str, Any]:
             score = None if cross is None else lambda c, r: cross.score_pairs(c, r).numpy()
             got = retrieve_and_rerank(spec.test, spec.pool, keys, retrieve, depth, score, max(spec.n_r))
 
-            def answers(fusion: str, n_r: int, weight: float = 0.5) -> list[str | None]:
-                ranked = ranked_ids(got, fusion, n_r, weight)  # noqa: B023 - used within this iteration
-                return [spec.pool[r[0]] if len(r) else None for r in ranked]
-
             per_case_ms = 1000 * got.retrieve_s / len(spec.test)
             result["B"].append(
                 _row(
                     label,
                     ranks_for(spec.test, keys, got, "retrieval", depth),
                     ms_per_case=round(per_case_ms, 2),
-                    **restates(answers("retrieval", depth)),
+                    **restates(top_answers(spec.pool, got, "retrieval", depth)),
                 )
             )
             if cross is None:
@@ -131,7 +128,7 @@ def run_eval(spec: EvalSpec) -> dict[str, Any]:
                             n_r=n_r,
                             fusion=fusion,
                             ms_per_case=round(ms, 2),
-                            **restates(answers(fusion, n_r, weight)),
+                            **restates(top_answers(spec.pool, got, fusion, n_r, weight)),
                         )
                     )
                     result["sweep"].append(
@@ -161,6 +158,13 @@ def run_eval(spec: EvalSpec) -> dict[str, Any]:
         f"{torch.get_num_threads()} threads, device {spec.device}",
     }
     return result
+
+
+def top_answers(
+    pool: list[str], got: Retrieved, fusion: str, n_r: int, weight: float = 0.5
+) -> list[str | None]:
+    """Each query's answer under a fusion: its best-ranked response (None if nothing was retrieved)."""
+    return [pool[r[0]] if len(r) else None for r in ranked_ids(got, fusion, n_r, weight)]
 
 
 def _label(path: str | None, kind: str) -> str:
@@ -234,11 +238,10 @@ def render_markdown(
         # one label) keeps both, named by their eval run.
         unique: dict[str, dict[str, Any]] = {}
         for run, r in rows:
-            key = r["system"] + (f" n_r={r['n_r']}" if "n_r" in r else "")
-            if key in unique and unique[key]["ranks"] != r["ranks"]:
+            n_r = f" n_r={r['n_r']}" if "n_r" in r else ""
+            if r["system"] + n_r in unique and unique[r["system"] + n_r]["ranks"] != r["ranks"]:
                 r = {**r, "system": f"{r['system']} [{run}]"}
-                key = r["system"] + (f" n_r={r['n_r']}" if "n_r" in r else "")
-            unique.setdefault(key, r)
+            unique.setdefault(r["system"] + n_r, r)
         sizes = {len(r["ranks"]) for r in unique.values()}
         baselines = [(k, r) for k, r in unique.items() if not _is_core(r["system"])]
         best_key, best = max(

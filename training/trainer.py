@@ -279,6 +279,8 @@ class Trainer:
         lists = [[p.response, *own_turn_negatives(p, cfg.own_turn_negatives)] for p in pairs]
         if self.miner is not None:
             for count, by in ((cfg.paraphrase_negatives, "last_turn"), (cfg.hard_negatives, "context")):
+                if not count:
+                    continue
                 # Mined negatives are never a copy of a context turn: the service filters those echoes,
                 # and a copy (cosine 1) is the own-turn negatives' business.
                 avoid = [
