@@ -70,7 +70,7 @@ class Server:
             "COREPLY_CASCADE": "false",  # measure the work asked for, not the load-adaptive shortcut
             **(env or {}),
         }
-        cmd = [sys.executable, "-m", "coreply.cli", "serve", "--bundle", bundle, "--port", str(self.port)]
+        cmd = [sys.executable, "-m", "cli", "serve", "--bundle", bundle, "--port", str(self.port)]
         cmd += ["--threads", str(threads)]
         self.process = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 300

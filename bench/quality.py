@@ -13,25 +13,20 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from coreply.bundle import load_bundle, make_backend
+from coreply.bundle import IndexRetriever, load_bundle, make_backend
 from coreply.corpus import load_chitchat
-from coreply.fusion import drop_echoes
-from coreply.text import normalize
+from evaluation.metrics import summarize
+from evaluation.protocols import ranks_for, retrieve_and_rerank
 from index_builder.build import encode_pool
 from index_builder.faiss_index import make_index
-from training.metrics import summarize
 
 
 def ranks(backend, index, bundle, pairs, depth: int = 100) -> list[float]:
-    queries = backend.encode_contexts([p.context for p in pairs])  # [B, D]
-    scores, ids = index.search(queries, depth + max(len(p.context) for p in pairs))
-    out = []
-    for pair, row_ids, row_scores in zip(pairs, ids, scores, strict=True):
-        kept, _ = drop_echoes(pair.context, row_ids, row_scores, bundle.keys)
-        gold = normalize(pair.response)
-        hits = [r for r, i in enumerate(kept[:depth]) if bundle.keys[i] == gold]
-        out.append(float(hits[0] + 1) if hits else float("inf"))
-    return out
+    """Protocol-B ranks of the gold by retrieval alone, through the served pipeline."""
+    got = retrieve_and_rerank(
+        pairs, bundle.texts, bundle.keys, IndexRetriever(backend, index), depth, None, 0
+    )
+    return ranks_for(pairs, bundle.keys, got, "retrieval", depth)
 
 
 def main() -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -37,6 +38,7 @@ from coreply.checkpoint import (
     replace_dir,
     write_json_atomic,
 )
+from coreply.ranking import ZSCORE_WEIGHT, Pipeline
 from coreply.text import normalize
 
 FORMAT = "coreply-bundle/1"
@@ -258,3 +260,29 @@ def make_backend(bundle: Bundle, backend: str = "auto", threads: int = 1, device
         threads=threads,
         cuda=device.startswith("cuda"),
     )
+
+
+class IndexRetriever:
+    """:data:`coreply.ranking.Retrieve` over a bundle: encode the contexts with a backend, search the
+    index. ``timings`` holds the last call's seconds per stage (the service reports them)."""
+
+    def __init__(self, backend: Any, index: Any) -> None:
+        self.backend, self.index = backend, index
+        self.timings: dict[str, float] = {}
+
+    def __call__(self, contexts: Sequence[Sequence[str]], k: int) -> tuple[np.ndarray, np.ndarray]:
+        start = time.perf_counter()
+        queries = np.ascontiguousarray(self.backend.encode_contexts(contexts), dtype="float32")  # [B, D]
+        encoded = time.perf_counter()
+        scores, ids = self.index.search(queries, min(k, self.index.ntotal))  # [B, k] x2
+        self.timings = {"encode": encoded - start, "search": time.perf_counter() - encoded}
+        return ids, scores
+
+
+def pipeline(bundle: Bundle, backend: Any, index: Any = None) -> Pipeline:
+    """The bundle's ranking pipeline on ``backend`` (over ``index``, default the bundle's own), with the
+    z-score weight it was calibrated with."""
+    weight = float(bundle.manifest.get("fusion", {}).get("zscore_weight", ZSCORE_WEIGHT))
+    retrieve = IndexRetriever(backend, bundle.index if index is None else index)
+    score = backend.score_pairs if backend.has_reranker else None
+    return Pipeline(retrieve, bundle.texts, bundle.keys, score, weight)

@@ -8,6 +8,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from coreply.text import normalize
 
 SPLITS = ("train", "valid", "test")
@@ -86,3 +88,29 @@ def build_pool(texts: Iterable[str]) -> list[str]:
 def responses_of(splits: dict[str, list[Pair]]) -> list[str]:
     """Every response of every split, for the retrieval pool."""
     return [pair.response for name in SPLITS for pair in splits.get(name, [])]
+
+
+class NegativeSampler:
+    """Random negatives from a response pool, never equal (after normalisation) to the positive."""
+
+    def __init__(self, pool: Sequence[str]) -> None:
+        if len(pool) < 2:
+            raise ValueError("the negative pool needs at least 2 distinct responses")
+        self.pool = list(pool)
+        self.keys = [normalize(t) for t in self.pool]
+
+    def sample(
+        self, positive: str, count: int, rng: np.random.Generator, avoid: set[str] | None = None
+    ) -> list[str]:
+        gold = normalize(positive)
+        taken = {gold} | (avoid or set())
+        out: list[str] = []
+        attempts = 0
+        while len(out) < count:
+            i = int(rng.integers(len(self.pool)))
+            attempts += 1
+            if self.keys[i] in taken and attempts < 50 * (count + 1):
+                continue
+            taken.add(self.keys[i])
+            out.append(self.pool[i])
+        return out

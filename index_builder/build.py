@@ -21,6 +21,7 @@ from coreply.bundle import (
     MANIFEST,
     RESPONSES,
     Bundle,
+    IndexRetriever,
     apply_search_params,
     finish,
     link_or_copy,
@@ -35,6 +36,7 @@ from coreply.corpus import Pair, build_pool
 from coreply.device import resolve_device
 from coreply.inference import Backend, export_onnx
 from coreply.text import normalize
+from evaluation.protocols import choose_zscore_weight, retrieve_and_rerank
 from index_builder.faiss_index import EXACT, make_index, recall_vs_exact
 
 ONNX_CHOICES = ("int8", "fp32", "none")
@@ -78,14 +80,9 @@ def calibrate_zscore(
     backend: Backend, index, pool: Sequence[str], pairs: Sequence[Pair], n_r: int = 10
 ) -> dict[str, Any]:
     """Choose the z-score fusion weight with the best hits@1 on held-out pairs whose gold responses are in
-    the pool (the evaluation's own grid search), at ``n_r`` candidates."""
-    from training.evaluation import choose_zscore_weight, retrieve_and_rerank
-
-    def retrieve(contexts: Sequence[Sequence[str]], k: int) -> tuple[np.ndarray, np.ndarray]:
-        scores, ids = index.search(backend.encode_contexts(contexts), k)  # [B, k] each
-        return ids, scores
-
+    the pool (the evaluation's own grid search, through the serving pipeline), at ``n_r`` candidates."""
     keys = [normalize(t) for t in pool]
+    retrieve = IndexRetriever(backend, index)
     got = retrieve_and_rerank(pairs, pool, keys, retrieve, n_r, backend.score_pairs, n_r)
     weight = choose_zscore_weight(pairs, keys, got, n_r)
     return {"zscore_weight": weight, "calibrated_on": f"{len(pairs)} held-out pairs, hits@1 at n_r={n_r}"}

@@ -36,7 +36,7 @@ mkdir -p "$LEASE"
 # Tokenising the corpus once per run is the one place the tokenizer's own threads help; nothing forks.
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=true PYTHONUNBUFFERED=1
 if [ -d /tmp/site ]; then export PYTHONPATH=$PWD:/tmp/site; fi
-COREPLY=(python3 -m coreply.cli)
+COREPLY=(python3 -m cli)
 
 if [ "${DRY:-0}" = 1 ]; then
   [ -d .venv ] && export PATH=$PWD/.venv/bin:$PATH  # here: the project's virtual environment

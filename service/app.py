@@ -22,8 +22,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from coreply.ranking import Query
 from service.batching import DeadlineExceeded, Overloaded
-from service.engine import Engine, Query, load_engine
+from service.engine import Engine, Job, load_engine
 from service.logs import ACCESS, request_id
 from service.metrics import Metrics
 from service.schemas import ErrorResponse, RespondResponse, respond_request_model
@@ -167,7 +168,7 @@ def create_app(settings: Settings | None = None, engine_factory: Callable[..., E
 
     async def warm(engine: Engine) -> None:
         """The golden query: the engine must answer it with finite scores (this also warms it up)."""
-        answer = await engine.respond(_query(request_model(context=GOLDEN), engine))
+        answer = await engine.respond(_job(request_model(context=GOLDEN), engine))
         if not answer["responses"] or not all(math.isfinite(r["score"]) for r in answer["responses"]):
             raise RuntimeError(f"bundle {engine.bundle.version} gave no usable answer to the golden query")
 
@@ -289,7 +290,7 @@ def create_app(settings: Settings | None = None, engine_factory: Callable[..., E
         if body.fusion in ("rerank", "sum", "zscore") and not engine.backend.has_reranker:
             return _error(422, f"fusion: {body.fusion!r} needs a reranker and this bundle has none")
         try:
-            result = await engine.respond(_query(body, engine, deadline))
+            result = await engine.respond(_job(body, engine, deadline))
         except Overloaded as exc:
             return _error(503, f"overloaded: {exc}", **{"Retry-After": "1"})
         except DeadlineExceeded as exc:
@@ -338,7 +339,7 @@ def create_app(settings: Settings | None = None, engine_factory: Callable[..., E
     return Guard(app, settings, metrics)
 
 
-def _query(body: Any, engine: Engine, deadline: float | None = None) -> Query:
+def _job(body: Any, engine: Engine, deadline: float | None = None) -> Job:
     settings = engine.settings
     n = body.n_candidates or max(settings.default_candidates, body.top_k)
     if body.top_k > n:
@@ -351,15 +352,12 @@ def _query(body: Any, engine: Engine, deadline: float | None = None) -> Query:
                 }
             ]
         )
-    return Query(
-        context=list(body.context),
-        top_k=body.top_k,
-        n_candidates=n,
-        fusion=body.fusion or engine.default_fusion,
-        exclude_ids=frozenset(x for x in body.exclude if isinstance(x, int)),
+    query = Query(
+        context=tuple(body.context),
         exclude_texts=tuple(x for x in body.exclude if isinstance(x, str)),
-        deadline=deadline,
+        exclude_ids=frozenset(x for x in body.exclude if isinstance(x, int)),
     )
+    return Job(query, body.top_k, n, body.fusion or engine.default_fusion, deadline)
 
 
 __all__ = ["create_app"]

@@ -1,5 +1,5 @@
-"""The request path: encode the context, recall top-n by inner product, drop echoes and exclusions,
-rerank with the cross-encoder, fuse, answer. Model work runs on one inference thread through two
+"""The request path: the bundle's :class:`~coreply.ranking.Pipeline` (recall, drop echoes and
+exclusions, rerank, fuse, order), its two model stages run on one inference thread through two
 micro-batchers (retrieval: encode + search; rerank: pairs)."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from coreply.bundle import Bundle, make_backend
-from coreply.fusion import drop_blocked, fuse
+from coreply.bundle import Bundle, make_backend, pipeline
 from coreply.inference import Backend
+from coreply.ranking import Candidates, Query, order
 from service.batching import MicroBatcher
 from service.cascade import Cascade
 from service.metrics import Metrics
@@ -22,13 +22,11 @@ from service.settings import Settings
 
 
 @dataclass(frozen=True)
-class Query:
-    context: list[str]
+class Job:
+    query: Query
     top_k: int
     n_candidates: int
     fusion: str
-    exclude_ids: frozenset[int]
-    exclude_texts: tuple[str, ...]
     deadline: float | None = None  # time.perf_counter() value; queued work past it is dropped
 
 
@@ -39,7 +37,7 @@ class Engine:
         self.bundle, self.backend, self.settings, self.metrics = bundle, backend, settings, metrics
         self.threads = threads  # intra-op threads of the backend
         self.active = 0  # requests in respond() now (a replaced engine stops when this reaches 0)
-        self.zscore_weight = float(bundle.manifest.get("fusion", {}).get("zscore_weight", 0.5))
+        self.pipeline = pipeline(bundle, backend)
         self.default_fusion = "zscore" if backend.has_reranker else "retrieval"
         self.cascade = (
             Cascade(
@@ -68,28 +66,17 @@ class Engine:
 
     # ----------------------------------------------------------------- batch functions (inference thread)
 
-    def _retrieve_batch(self, items: Sequence[tuple[list[str], int]]):
-        """[(context, k)] -> [(ids [k], scores [k])], one encode and one search for the whole batch."""
-        start = time.perf_counter()
-        queries = self.backend.encode_contexts([c for c, _ in items])  # [B, D]
-        encoded = time.perf_counter()
-        k = min(max(k for _, k in items), self.bundle.index.ntotal)
-        scores, ids = self.bundle.index.search(np.ascontiguousarray(queries, dtype="float32"), k)  # [B, k]
-        searched = time.perf_counter()
-        results = [(ids[i, :want], scores[i, :want]) for i, (_, want) in enumerate(items)]
-        return results, {"encode": encoded - start, "search": searched - encoded}
+    def _retrieve_batch(self, items: Sequence[tuple[Query, int]]):
+        """[(request, n)] -> [Candidates], one encode and one search for the whole batch."""
+        got = self.pipeline.recall([r for r, _ in items], [n for _, n in items])
+        return got, dict(self.pipeline.retrieve.timings)  # type: ignore[attr-defined]
 
-    def _rerank_batch(self, items: Sequence[tuple[list[str], list[str]]]):
-        """[(context, candidate texts)] -> [scores [n]], all pairs scored together, sorted by length."""
+    def _rerank_batch(self, items: Sequence[tuple[Query, Candidates]]):
+        """[(request, candidates)] -> [candidates with rerank scores], all pairs scored together."""
         start = time.perf_counter()
-        contexts = [c for c, texts in items for _ in texts]
-        responses = [t for _, texts in items for t in texts]
-        flat = self.backend.score_pairs(contexts, responses) if responses else np.zeros(0, dtype="float32")
-        out, offset = [], 0
-        for _, texts in items:
-            out.append(flat[offset : offset + len(texts)])
-            offset += len(texts)
-        return out, {"rerank": time.perf_counter() - start}
+        candidates = [c for _, c in items]
+        self.pipeline.rerank([r for r, _ in items], candidates, max(len(c.ids) for c in candidates))
+        return candidates, {"rerank": time.perf_counter() - start}
 
     # ------------------------------------------------------------------------------------ request path
 
@@ -109,49 +96,40 @@ class Engine:
             await asyncio.sleep(0.01)
         await self.stop()
 
-    async def respond(self, query: Query) -> dict:
+    async def respond(self, job: Job) -> dict:
         self.active += 1
         try:
-            return await self._respond(query)
+            return await self._respond(job)
         finally:
             self.active -= 1
 
-    async def _respond(self, query: Query) -> dict:
+    async def _respond(self, job: Job) -> dict:
         started = time.perf_counter()
         timings = {"queue_wait": 0.0, "encode": 0.0, "search": 0.0, "rerank": 0.0}
-        reranks = query.fusion != "retrieval"
-        plan = self.cascade.plan(query.n_candidates, reranks, query.top_k) if self.cascade else None
-        n_candidates = plan.n_candidates if plan else query.n_candidates
-        fusion = "retrieval" if plan and plan.skip_rerank else query.fusion
-        blocked = (*query.context, *query.exclude_texts)
-        # the pool holds each normalised text once, so each blocked text or id hides at most one hit
-        k = n_candidates + len(blocked) + len(query.exclude_ids)
-        done = await self.retriever.submit((list(query.context), k), deadline=query.deadline)
+        reranks = job.fusion != "retrieval"
+        plan = self.cascade.plan(job.n_candidates, reranks, job.top_k) if self.cascade else None
+        n_candidates = plan.n_candidates if plan else job.n_candidates
+        fusion = "retrieval" if plan and plan.skip_rerank else job.fusion
+        done = await self.retriever.submit((job.query, n_candidates), deadline=job.deadline)
         self._account(done, timings, "retrieve")
-        ids, retrieval = drop_blocked(*done.result, self.bundle.keys, blocked, query.exclude_ids)
-        ids, retrieval = ids[:n_candidates], retrieval[:n_candidates].astype("float64")
-        rerank: np.ndarray | None = None
-        if fusion != "retrieval" and len(ids):
-            texts = [self.bundle.texts[i] for i in ids]
+        candidates: Candidates = done.result
+        if fusion != "retrieval" and len(candidates.ids):
             done = await self.reranker.submit(
-                (list(query.context), texts), size=len(texts), deadline=query.deadline
+                (job.query, candidates), size=len(candidates.ids), deadline=job.deadline
             )
             self._account(done, timings, "rerank")
-            rerank = done.result.astype("float64")
-            self.metrics.reranked.observe(len(texts))
-        else:
-            self.metrics.reranked.observe(0)
-        final = retrieval if rerank is None else fuse(fusion, retrieval, rerank, self.zscore_weight)
-        order = np.argsort(-final, kind="stable")[: query.top_k]
+        self.metrics.reranked.observe(0 if candidates.rerank is None else len(candidates.rerank))
+        positions, final = order(candidates, fusion, n_candidates, self.pipeline.weight)
+        ids, retrieval, rerank = candidates.ids, candidates.retrieval, candidates.rerank
         responses = [
             {
                 "id": int(ids[j]),
                 "text": self.bundle.texts[ids[j]],
-                "score": float(final[j]),
+                "score": float(score),
                 "retrieval_score": float(retrieval[j]),
                 "rerank_score": None if rerank is None else float(rerank[j]),
             }
-            for j in order
+            for j, score in zip(positions[: job.top_k], final, strict=False)
         ]
         timings["total"] = time.perf_counter() - started
         if self.cascade is not None:
@@ -162,8 +140,8 @@ class Engine:
             self.metrics.degraded.inc()
             degraded = {
                 "level": plan.level,
-                "requested_candidates": query.n_candidates,
-                "requested_fusion": query.fusion,
+                "requested_candidates": job.n_candidates,
+                "requested_fusion": job.fusion,
             }
         return {
             "responses": responses,

@@ -9,7 +9,7 @@ import pytest
 
 def coreply(*args: str, cwd=None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "coreply.cli", *args], capture_output=True, text=True, cwd=cwd, timeout=600
+        [sys.executable, "-m", "cli", *args], capture_output=True, text=True, cwd=cwd, timeout=600
     )
 
 

@@ -46,7 +46,7 @@ def server(tiny_bundle, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
     env = {**os.environ, "COREPLY_MAX_TURNS": "6", "COREPLY_MAX_UTTERANCE_CHARS": "200"}
-    cmd = [sys.executable, "-m", "coreply.cli", "serve", "--bundle", str(tiny_bundle), "--port", str(port)]
+    cmd = [sys.executable, "-m", "cli", "serve", "--bundle", str(tiny_bundle), "--port", str(port)]
     with open(log, "w") as out:
         process = subprocess.Popen([*cmd, "--threads", "1"], stdout=out, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
@@ -172,7 +172,7 @@ def test_sigterm_under_load_drains_every_admitted_request(tiny_bundle, tmp_path)
 
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "coreply.cli", "serve", "--bundle", str(tiny_bundle), "--port", str(port)]
+    cmd = [sys.executable, "-m", "cli", "serve", "--bundle", str(tiny_bundle), "--port", str(port)]
     env = {**os.environ, "COREPLY_DRAIN_SECONDS": "15", "COREPLY_QUEUE_MAX": "1000"}
     log = tmp_path / "server.log"
     with open(log, "w") as out:
@@ -222,7 +222,7 @@ def test_sighup_reloads_the_bundle_in_a_real_server(tiny_bundle, tmp_path):
     current.symlink_to(v1)
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "coreply.cli", "serve", "--bundle", str(current), "--port", str(port)]
+    cmd = [sys.executable, "-m", "cli", "serve", "--bundle", str(current), "--port", str(port)]
     with open(tmp_path / "server.log", "w") as out:
         process = subprocess.Popen([*cmd, "--threads", "1"], stdout=out, stderr=subprocess.STDOUT)
     try:

@@ -5,14 +5,13 @@ import torch
 from coreply.config import ModelConfig
 from coreply.corpus import Pair
 from coreply.models import BiEncoder, CrossEncoder
+from coreply.ranking import Candidates
 from coreply.text import normalize
-from training.evaluation import (
+from evaluation.protocols import (
     BM25Retriever,
     DenseRetriever,
     Retrieved,
-    drop_echoes,
     evaluate_lists,
-    fuse,
     protocol_a_lists,
     ranks_for,
     retrieve_and_rerank,
@@ -33,30 +32,13 @@ def test_protocol_a_lists_are_deterministic_with_gold_first_and_distinct_negativ
     assert protocol_a_lists([shipped], POOL, size=3) == [["a", "b", "c"]]
 
 
-def test_echoes_of_the_context_are_dropped():
-    keys = [normalize(t) for t in POOL]
-    ids, scores = drop_echoes(["Hello", "what food ?"], np.array([4, 0, 5]), np.array([3.0, 2.0, 1.0]), keys)
-    assert ids.tolist() == [0, 5] and scores.tolist() == [2.0, 1.0]
-
-
-def test_fusion_math():
-    r, g = np.array([1.0, 2.0, 3.0]), np.array([3.0, 0.0, 0.0])
-    assert fuse("sum", r, g).tolist() == [4.0, 2.0, 3.0]
-    assert fuse("rerank", r, g) is g and fuse("retrieval", r, g) is r
-    z = fuse("zscore", r, g, weight=1.0)
-    assert z.mean() == pytest.approx(0.0, abs=1e-9) and np.argsort(z).tolist() == [0, 1, 2]
-    with pytest.raises(ValueError, match="unknown fusion"):
-        fuse("max", r, g)
-
-
 def test_ranks_for_rerank_and_sum_and_retrieval():
     pool = ["a", "b", "c", "d"]
     keys = pool
     pairs = [Pair(("q",), "c"), Pair(("q",), "d")]
+    ids, retrieval = np.array([0, 1, 2]), np.array([3.0, 2.0, 1.0])
     got = Retrieved(
-        ids=[np.array([0, 1, 2]), np.array([0, 1, 2])],
-        retrieval=[np.array([3.0, 2.0, 1.0]), np.array([3.0, 2.0, 1.0])],
-        rerank=[np.array([0.0, 0.0, 5.0]), np.array([1.0, 0.0, 0.0])],
+        [Candidates(ids, retrieval, np.array([0.0, 0.0, 5.0])), Candidates(ids, retrieval, np.zeros(3))],
         retrieve_s=0.0,
         rerank_s=0.0,
     )
@@ -96,12 +78,12 @@ def test_evaluate_lists_and_retrieve_and_rerank_run_with_real_models(tiny_model_
     got = retrieve_and_rerank(
         pairs, POOL, keys, DenseRetriever(bi, POOL), depth=4, score_pairs=cross.score_pairs, rerank_depth=3
     )
-    assert [len(x) for x in got.rerank] == [3, 3]
-    assert all(keys[i] != "hello" for i in got.ids[0])  # the echo of turn 1 is gone
+    assert [len(c.rerank) for c in got.candidates] == [3, 3]
+    assert all(keys[i] != "hello" for i in got.candidates[0].ids)  # the echo of turn 1 is gone
 
 
 def test_restatement_judge_flags_answers_that_repeat_the_last_turn(tiny_model_dir):
-    from training.restatement import RestatementJudge
+    from evaluation.restatement import RestatementJudge
 
     torch.manual_seed(0)
     judge = RestatementJudge(BiEncoder.from_pretrained(ModelConfig(base_model=str(tiny_model_dir))), 0.99)
@@ -116,23 +98,18 @@ def test_restatement_judge_flags_answers_that_repeat_the_last_turn(tiny_model_di
 
 
 def test_ranked_ids_order_the_answers_like_ranks_for():
-    from training.evaluation import ranked_ids
+    from evaluation.protocols import ranked_ids
 
-    got = Retrieved(
-        ids=[np.array([0, 1, 2])],
-        retrieval=[np.array([3.0, 2.0, 1.0])],
-        rerank=[np.array([0.0, 0.0, 5.0])],
-        retrieve_s=0.0,
-        rerank_s=0.0,
-    )
+    candidates = Candidates(np.array([0, 1, 2]), np.array([3.0, 2.0, 1.0]), np.array([0.0, 0.0, 5.0]))
+    got = Retrieved([candidates], retrieve_s=0.0, rerank_s=0.0)
     assert ranked_ids(got, "retrieval", 3)[0].tolist() == [0, 1, 2]
     assert ranked_ids(got, "rerank", 3)[0].tolist() == [2, 0, 1]
     assert ranked_ids(got, "rerank", 2)[0].tolist() == [0, 1]
 
 
 def test_report_keeps_two_recipes_with_one_label_apart_and_one_shared_baseline_once():
-    from training.metrics import summarize
-    from training.report import render_markdown
+    from evaluation.metrics import summarize
+    from evaluation.report import render_markdown
 
     def result(name, ranks):
         rows = [

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
+from evaluation.metrics import gold_rank, paired_bootstrap, per_case, summarize
 from training.losses import kl_to_target, listwise_ce
-from training.metrics import gold_rank, paired_bootstrap, per_case, summarize
 
 
 def test_listwise_ce_matches_equation_2_by_hand():

@@ -6,8 +6,8 @@ import torch
 from coreply.checkpoint import load_checkpoint, save_checkpoint
 from coreply.config import ZERO_SHOT
 from coreply.corpus import load_chitchat
-from training.evaluation import evaluate_lists, protocol_a_lists
-from training.report import load_bi
+from evaluation.protocols import evaluate_lists, protocol_a_lists
+from evaluation.report import load_bi
 
 pytestmark = pytest.mark.pretrained
 

@@ -14,7 +14,7 @@ from conftest import TOPICS
 from fastapi.testclient import TestClient
 
 from coreply.bundle import load_bundle
-from coreply.fusion import drop_blocked, fuse, zscore
+from coreply.ranking import zscore
 from index_builder.build import build_bundle
 from service.app import create_app
 from service.batching import DeadlineExceeded, MicroBatcher, Overloaded
@@ -75,6 +75,33 @@ def test_fusion_modes(client, tiny_bundle):
     g = np.array([c["rerank_score"] for c in default["responses"]])
     want = weight * zscore(r) + (1 - weight) * zscore(g)
     np.testing.assert_allclose([c["score"] for c in default["responses"]], want, atol=1e-6)
+
+
+def test_service_and_evaluation_rank_identically(client, tiny_bundle):
+    """The same contexts through ``/respond`` and through protocol B's code (the evaluation's
+    retrieve_and_rerank + ranked_ids, on the bundle's own backend and index) give the same answers."""
+    from coreply.bundle import IndexRetriever, make_backend
+    from coreply.corpus import Pair
+    from evaluation.protocols import ranked_ids, retrieve_and_rerank
+
+    bundle = load_bundle(tiny_bundle)
+    backend = make_backend(bundle, threads=1)
+    weight = bundle.manifest["fusion"]["zscore_weight"]
+    contexts = [["hello", q] for q, _ in TOPICS.values()] + [[a] for _, a in TOPICS.values()]
+    pairs = [Pair(tuple(c), "") for c in contexts]
+    got = retrieve_and_rerank(
+        pairs, bundle.texts, bundle.keys, IndexRetriever(backend, bundle.index), 5, backend.score_pairs, 5
+    )
+    for fusion in ("retrieval", "rerank", "sum", "zscore"):
+        evaluated = [ids.tolist() for ids in ranked_ids(got, fusion, 5, weight)]
+        served = [
+            [
+                r["id"]
+                for r in post(client, context=c, top_k=5, n_candidates=5, fusion=fusion).json()["responses"]
+            ]
+            for c in contexts
+        ]
+        assert served == evaluated, fusion
 
 
 def test_echoes_are_never_returned(client):
@@ -195,20 +222,6 @@ def test_thread_count_is_measured_when_not_set(tiny_bundle):
         ready = c.get("/readyz").json()
         assert ready["threads"] in {1, os.cpu_count()}
         assert c.post("/respond", json={"context": ["hello"]}).status_code == 200
-
-
-def test_fusion_math():
-    r, g = np.array([1.0, 2.0, 3.0]), np.array([3.0, 0.0, 0.0])
-    assert fuse("sum", r, g).tolist() == [4.0, 2.0, 3.0]
-    z = fuse("zscore", r, g, weight=0.5)
-    by_hand = 0.5 * (r - 2) / r.std() + 0.5 * (g - 1) / g.std()
-    np.testing.assert_allclose(z, by_hand, atol=1e-5)
-    ids, scores = drop_blocked(
-        np.array([2, -1, 0, 1]), np.array([4.0, 3.0, 2.0, 1.0]), ["a", "b", "c"], ["C "]
-    )
-    assert ids.tolist() == [0, 1] and scores.tolist() == [2.0, 1.0]
-    ids, _ = drop_blocked(np.array([2, 0, 1]), np.array([3.0, 2.0, 1.0]), ["a", "b", "c"], [], {2, 1})
-    assert ids.tolist() == [0]
 
 
 # ---------------------------------------------------------------------------------------- batching

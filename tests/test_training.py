@@ -6,10 +6,11 @@ import torch
 
 from coreply.checkpoint import load_checkpoint
 from coreply.config import ModelConfig
+from coreply.corpus import NegativeSampler
 from coreply.text import normalize
 from training.config import TrainConfig
 from training.losses import kl_to_target, listwise_ce
-from training.sampling import HardNegativeMiner, NegativeSampler
+from training.sampling import HardNegativeMiner
 from training.trainer import StepLosses, Trainer
 
 

@@ -31,21 +31,15 @@ from tqdm import tqdm
 
 from coreply.adapters import add_lora
 from coreply.checkpoint import load_checkpoint, save_checkpoint, write_json_atomic
-from coreply.corpus import Pair
+from coreply.corpus import NegativeSampler, Pair
 from coreply.device import autocast, resolve_device
 from coreply.models import BiEncoder, CrossEncoder
 from coreply.text import normalize
 from coreply.tokenization import Batch, DialogueTokenizer, token_budget_chunks
+from evaluation.protocols import evaluate_lists, protocol_a_lists
 from training.config import TrainConfig
-from training.evaluation import evaluate_lists, protocol_a_lists
 from training.losses import kl_to_target, listwise_ce
-from training.sampling import (
-    HardNegativeMiner,
-    NegativeSampler,
-    epoch_order,
-    own_turn_negatives,
-    step_rng,
-)
+from training.sampling import HardNegativeMiner, epoch_order, own_turn_negatives, step_rng
 
 
 class StepLosses:
@@ -611,7 +605,7 @@ class Trainer:
         }
         if self.rank == 0:
             write_json_atomic(self.out / "summary.json", summary)
-            from training.plots import plot_training_curves
+            from evaluation.plots import plot_training_curves
 
             plot_training_curves(self.out / "metrics.jsonl", self.out / "training_curves.png")
         return summary

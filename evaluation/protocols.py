@@ -4,25 +4,34 @@
   fixed seed from the split's responses whose normalised text differs from the gold's. Scored by the
   bi-encoder, the cross-encoder and their sum.
 * Protocol B ("full pool", DSTC7 sub-task 2 style): retrieve from the pool (BM25 or bi-encoder exact
-  inner product), drop echoes of the context, rerank the top n_r with the cross-encoder and fuse.
+  inner product), drop echoes of the context, rerank the top n_r with the cross-encoder and fuse: the
+  service's own :class:`~coreply.ranking.Pipeline`, so evaluation ranks exactly as ``/respond`` does.
 A hit is a retrieved text whose normalised form equals the gold's.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from coreply.corpus import Pair
-from coreply.fusion import drop_echoes, fuse
+from coreply.corpus import NegativeSampler, Pair
 from coreply.models import BiEncoder, CrossEncoder
+from coreply.ranking import (
+    ZSCORE_WEIGHT,
+    Candidates,
+    Pipeline,
+    Query,
+    Retrieve,
+    ScorePairs,
+    order,
+    score_lists,
+)
 from coreply.text import normalize
-from training.metrics import gold_rank, summarize
-from training.sampling import NegativeSampler
+from evaluation.metrics import gold_rank, summarize
 
 
 def protocol_a_lists(
@@ -53,14 +62,7 @@ def score_lists_bi(
 def score_lists_cross(
     cross: CrossEncoder, contexts: Sequence[Sequence[str]], lists: Sequence[Sequence[str]]
 ) -> list[np.ndarray]:
-    flat_c = [c for c, cands in zip(contexts, lists, strict=True) for _ in cands]
-    flat_r = [t for cands in lists for t in cands]
-    scores = cross.score_pairs(flat_c, flat_r).numpy()
-    out, start = [], 0
-    for cands in lists:
-        out.append(scores[start : start + len(cands)])
-        start += len(cands)
-    return out
+    return score_lists(lambda c, r: cross.score_pairs(c, r).numpy(), contexts, lists)
 
 
 def evaluate_lists(
@@ -87,12 +89,6 @@ def evaluate_lists(
 
 
 # ----------------------------------------------------------------------------------------- protocol B
-
-Retrieve = Callable[[Sequence[Sequence[str]], int], tuple[np.ndarray, np.ndarray]]
-"""(contexts, k) -> (pool indices [B, k], scores [B, k]), best first."""
-
-ScorePairs = Callable[[Sequence[Sequence[str]], Sequence[str]], np.ndarray]
-"""(contexts [N], responses [N]) -> reranker scores [N]: a cross-encoder, or a serving backend."""
 
 
 class BM25Retriever:
@@ -133,11 +129,10 @@ class DenseRetriever:
 
 @dataclass
 class Retrieved:
-    """Per query: candidate pool ids and retrieval scores after echo removal; cross scores of the top n."""
+    """Per query: the pipeline's candidates (echo-free, retrieval order; rerank scores of the first
+    n_r), and the seconds each stage took for all queries."""
 
-    ids: list[np.ndarray]
-    retrieval: list[np.ndarray]
-    rerank: list[np.ndarray]
+    candidates: list[Candidates]
     retrieve_s: float
     rerank_s: float
 
@@ -152,38 +147,20 @@ def retrieve_and_rerank(
     rerank_depth: int,
 ) -> Retrieved:
     """Retrieve ``depth`` echo-free candidates per query and rerank-score the first ``rerank_depth``."""
-    contexts = [p.context for p in pairs]
+    ranking = Pipeline(retrieve, pool, pool_keys, score_pairs)
+    queries = [Query(p.context) for p in pairs]
     start = time.perf_counter()
-    extra = max(
-        len(c) for c in contexts
-    )  # the pool is de-duplicated, so at most one entry per utterance echoes
-    all_ids, all_scores = retrieve(contexts, depth + extra)
-    ids, retrieval = [], []
-    for context, row_ids, row_scores in zip(contexts, all_ids, all_scores, strict=True):
-        kept_ids, kept_scores = drop_echoes(context, row_ids, row_scores, pool_keys)
-        ids.append(kept_ids[:depth])
-        retrieval.append(kept_scores[:depth].astype(float))
+    candidates = ranking.recall(queries, [depth] * len(queries))
     retrieve_s = time.perf_counter() - start
     start = time.perf_counter()
-    rerank = []
     if score_pairs is not None:
-        for context, row in zip(contexts, ids, strict=True):
-            top = row[:rerank_depth]
-            rerank.append(np.asarray(score_pairs([context] * len(top), [pool[i] for i in top]), dtype=float))
-    return Retrieved(ids, retrieval, rerank, retrieve_s, time.perf_counter() - start)
+        ranking.rerank(queries, candidates, rerank_depth)
+    return Retrieved(candidates, retrieve_s, time.perf_counter() - start)
 
 
-def ranked_ids(got: Retrieved, fusion: str, n_r: int, weight: float = 0.5) -> list[np.ndarray]:
-    """Per query, pool ids best first under a fusion of the top ``n_r`` (``retrieval`` keeps the whole
-    retrieved list in retrieval order)."""
-    out = []
-    for i, ids in enumerate(got.ids):
-        if fusion == "retrieval":
-            out.append(ids)
-            continue
-        scores = fuse(fusion, got.retrieval[i][:n_r], got.rerank[i][:n_r], weight)
-        out.append(ids[:n_r][np.argsort(-scores, kind="stable")])
-    return out
+def ranked_ids(got: Retrieved, fusion: str, n_r: int, weight: float = ZSCORE_WEIGHT) -> list[np.ndarray]:
+    """Per query, pool ids best first under a fusion of the top ``n_r``."""
+    return [c.ids[order(c, fusion, n_r, weight)[0]] for c in got.candidates]
 
 
 def ranks_for(
@@ -192,9 +169,9 @@ def ranks_for(
     got: Retrieved,
     fusion: str,
     n_r: int,
-    weight: float = 0.5,
+    weight: float = ZSCORE_WEIGHT,
 ) -> list[float]:
-    """Rank of the gold under a fusion of the top ``n_r`` (``retrieval`` ranks the whole retrieved list)."""
+    """Rank of the gold under a fusion of the top ``n_r``."""
     ranks = []
     for pair, ids in zip(pairs, ranked_ids(got, fusion, n_r, weight), strict=True):
         gold = normalize(pair.response)

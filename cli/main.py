@@ -156,7 +156,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from coreply.checkpoint import read_meta, write_json_atomic
     from coreply.corpus import responses_of
     from coreply.device import resolve_device
-    from training.report import EvalSpec, pool_for_eval, run_eval
+    from evaluation.report import EvalSpec, pool_for_eval, run_eval
 
     if not args.bi and not args.cross and "bm25" not in args.retriever:
         raise CliError("eval: give --bi, --cross or --retriever bm25")
@@ -211,8 +211,8 @@ def _report_parser(sub) -> None:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from training.plots import plot_nr_sweep, plot_runs
-    from training.report import merge_sweeps, render_markdown
+    from evaluation.plots import plot_nr_sweep, plot_runs
+    from evaluation.report import merge_sweeps, render_markdown
 
     results = []
     for path in args.inputs:
@@ -372,7 +372,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CliError, DataError, CheckpointError, BundleError, FileNotFoundError, ValueError) as exc:
         print(f"coreply {args.command}: error: {exc}", file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -15,8 +15,10 @@ import torch
 from coreply.checkpoint import load_bi, load_checkpoint, read_meta
 from coreply.config import ZERO_SHOT
 from coreply.corpus import Pair, build_pool
+from coreply.ranking import ZSCORE_WEIGHT
 from coreply.text import normalize
-from training.evaluation import (
+from evaluation.metrics import KS, paired_bootstrap, per_case, summarize
+from evaluation.protocols import (
     BM25Retriever,
     DenseRetriever,
     Retrieved,
@@ -27,8 +29,7 @@ from training.evaluation import (
     ranks_for,
     retrieve_and_rerank,
 )
-from training.metrics import KS, paired_bootstrap, per_case, summarize
-from training.restatement import RestatementJudge
+from evaluation.restatement import RestatementJudge
 
 
 @dataclass
@@ -113,7 +114,9 @@ def run_eval(spec: EvalSpec) -> dict[str, Any]:
             for n_r in spec.n_r:
                 # Rerank time scales with n_r: charge each n_r its share of the measured rerank time.
                 ms = per_case_ms + 1000 * got.rerank_s / len(spec.test) * n_r / max(spec.n_r)
-                weight = choose_zscore_weight(spec.valid, keys, valid_got, n_r) if spec.valid else 0.5
+                weight = (
+                    choose_zscore_weight(spec.valid, keys, valid_got, n_r) if spec.valid else ZSCORE_WEIGHT
+                )
                 for fusion, title in (
                     ("rerank", "rerank"),
                     ("sum", "sum"),
@@ -161,7 +164,7 @@ def run_eval(spec: EvalSpec) -> dict[str, Any]:
 
 
 def top_answers(
-    pool: list[str], got: Retrieved, fusion: str, n_r: int, weight: float = 0.5
+    pool: list[str], got: Retrieved, fusion: str, n_r: int, weight: float = ZSCORE_WEIGHT
 ) -> list[str | None]:
     """Each query's answer under a fusion: its best-ranked response (None if nothing was retrieved)."""
     return [pool[r[0]] if len(r) else None for r in ranked_ids(got, fusion, n_r, weight)]

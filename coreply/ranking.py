@@ -1,0 +1,149 @@
+"""The ranking path, written once: recall -> drop echoes and exclusions -> rerank -> fuse -> order.
+
+The service (``POST /respond``), ``coreply eval`` (protocol B) and the index builder's calibration all
+rank through :class:`Pipeline` and :func:`order`, so they cannot rank differently. The service runs the
+two model stages (:meth:`Pipeline.recall`, :meth:`Pipeline.rerank`) inside its micro-batchers;
+evaluation and calibration run them back to back with :meth:`Pipeline.rank`. Scoring (expensive) and
+ordering (cheap) are separate, so an evaluation scores once and orders under every fusion and n_r.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from coreply.text import normalize
+
+FUSIONS = ("retrieval", "rerank", "sum", "zscore")
+ZSCORE_WEIGHT = 0.5
+"""The z-score fusion weight of the retrieval score when a bundle was not calibrated."""
+
+Retrieve = Callable[[Sequence[Sequence[str]], int], tuple[np.ndarray, np.ndarray]]
+"""(contexts [B], k) -> (pool ids [B, k], scores [B, k]), best first; id -1 pads a short row."""
+
+ScorePairs = Callable[[Sequence[Sequence[str]], Sequence[str]], np.ndarray]
+"""(contexts [N], responses [N]) -> reranker scores [N]: a cross-encoder, or a serving backend."""
+
+
+@dataclass(frozen=True)
+class Query:
+    """One query: the dialogue so far, and pool entries that must not be answered (by text or id)."""
+
+    context: Sequence[str]
+    exclude_texts: Sequence[str] = ()
+    exclude_ids: Collection[int] = frozenset()
+
+    def depth(self, n: int) -> int:
+        """How many hits to fetch so that ``n`` survive the filter: the pool holds each normalised text
+        once, so every blocked text (a context turn or an excluded text) or id hides at most one hit."""
+        return n + len(self.context) + len(self.exclude_texts) + len(self.exclude_ids)
+
+    def keep(self, ids: np.ndarray, keys: Sequence[str]) -> list[int]:
+        """Positions in ``ids`` that may be answered: not padding (-1), not an excluded id, and not the
+        normalised text of a context turn (an echo) or of an excluded text."""
+        blocked = {normalize(t) for t in (*self.context, *self.exclude_texts)}
+        return [
+            j
+            for j, i in enumerate(ids)
+            if i >= 0 and int(i) not in self.exclude_ids and keys[i] not in blocked
+        ]
+
+
+@dataclass
+class Candidates:
+    """One query's candidates in retrieval order, and the reranker's scores of the first few."""
+
+    ids: np.ndarray  # [n] pool ids
+    retrieval: np.ndarray  # [n] float64
+    rerank: np.ndarray | None = field(default=None)  # [m <= n] float64, scores of ids[:m]
+
+
+def zscore(x: np.ndarray) -> np.ndarray:
+    return (x - x.mean()) / (x.std() + 1e-6)
+
+
+def fuse(mode: str, retrieval: np.ndarray, rerank: np.ndarray, weight: float = ZSCORE_WEIGHT) -> np.ndarray:
+    """Final scores of one query's candidates. ``sum`` is the precursor paper's Eq. 10; ``zscore`` is
+    ``weight * z(retrieval) + (1 - weight) * z(rerank)`` with per-query standardisation."""
+    if mode == "retrieval":
+        return retrieval
+    if mode == "rerank":
+        return rerank
+    if mode == "sum":
+        return retrieval + rerank
+    if mode == "zscore":
+        return weight * zscore(retrieval) + (1 - weight) * zscore(rerank)
+    raise ValueError(f"unknown fusion {mode!r}; expected one of {FUSIONS}")
+
+
+def order(
+    candidates: Candidates, fusion: str, n_r: int, weight: float = ZSCORE_WEIGHT
+) -> tuple[np.ndarray, np.ndarray]:
+    """(positions best first, their final scores) among the first ``n_r`` candidates under ``fusion``;
+    ties keep retrieval order. Any fusion but ``retrieval`` needs rerank scores of those ``n_r``."""
+    retrieval = candidates.retrieval[:n_r]
+    if fusion == "retrieval" or not len(retrieval):
+        final = retrieval
+    else:
+        rerank = candidates.rerank
+        if rerank is None or len(rerank) < len(retrieval):
+            raise ValueError(f"fusion {fusion!r} over {len(retrieval)} candidates needs their rerank scores")
+        final = fuse(fusion, retrieval, rerank[: len(retrieval)], weight)
+    positions = np.argsort(-final, kind="stable")
+    return positions, final[positions]
+
+
+def score_lists(
+    score_pairs: ScorePairs, contexts: Sequence[Sequence[str]], lists: Sequence[Sequence[str]]
+) -> list[np.ndarray]:
+    """Score each context against its own candidate texts in one call (pairs flattened, split back)."""
+    flat_c = [c for c, texts in zip(contexts, lists, strict=True) for _ in texts]
+    flat_r = [t for texts in lists for t in texts]
+    flat = np.asarray(score_pairs(flat_c, flat_r), dtype="float64") if flat_r else np.zeros(0)
+    bounds = np.cumsum([len(texts) for texts in lists])[:-1]
+    return np.split(flat, bounds)
+
+
+class Pipeline:
+    """A retriever over a pool, optionally a reranker, and the z-score weight the pool was calibrated
+    with. ``texts`` and ``keys`` (normalised texts) are the pool, row i = id i."""
+
+    def __init__(
+        self,
+        retrieve: Retrieve,
+        texts: Sequence[str],
+        keys: Sequence[str],
+        score_pairs: ScorePairs | None = None,
+        weight: float = ZSCORE_WEIGHT,
+    ) -> None:
+        self.retrieve, self.texts, self.keys = retrieve, texts, keys
+        self.score_pairs, self.weight = score_pairs, weight
+
+    def recall(self, queries: Sequence[Query], n: Sequence[int]) -> list[Candidates]:
+        """Up to ``n[i]`` answerable candidates for each query, from one retrieval call for all."""
+        k = min(max(r.depth(m) for r, m in zip(queries, n, strict=True)), len(self.texts))
+        ids, scores = self.retrieve([r.context for r in queries], k)  # [B, k] x2
+        out = []
+        for query, want, row_ids, row_scores in zip(queries, n, ids, scores, strict=True):
+            kept = query.keep(row_ids, self.keys)[:want]
+            out.append(Candidates(np.asarray(row_ids)[kept], np.asarray(row_scores, dtype="float64")[kept]))
+        return out
+
+    def rerank(self, queries: Sequence[Query], candidates: Sequence[Candidates], n_r: int) -> None:
+        """Score the first ``n_r`` candidates of every query with the reranker, in one call."""
+        if self.score_pairs is None:
+            raise ValueError("this pipeline has no reranker")
+        lists = [[self.texts[i] for i in c.ids[:n_r]] for c in candidates]
+        contexts = [r.context for r in queries]
+        for c, scores in zip(candidates, score_lists(self.score_pairs, contexts, lists), strict=True):
+            c.rerank = scores
+
+    def rank(self, queries: Sequence[Query], depth: int, n_r: int = 0) -> list[Candidates]:
+        """Recall ``depth`` candidates per query and (with a reranker and ``n_r > 0``) rerank the first
+        ``n_r``: the service's two stages back to back, for evaluation and calibration."""
+        candidates = self.recall(queries, [depth] * len(queries))
+        if self.score_pairs is not None and n_r > 0:
+            self.rerank(queries, candidates, n_r)
+        return candidates

@@ -1,0 +1,69 @@
+"""The one ranking path (coreply/ranking.py): filtering, over-fetch, fusion, ordering, pair scoring."""
+
+import numpy as np
+import pytest
+
+from coreply.ranking import Candidates, Pipeline, Query, fuse, order, score_lists
+from coreply.text import normalize
+
+POOL = ["a", "b", "c", "Hello", "d", "e"]
+KEYS = [normalize(t) for t in POOL]
+
+
+def test_fusion_math():
+    r, g = np.array([1.0, 2.0, 3.0]), np.array([3.0, 0.0, 0.0])
+    assert fuse("sum", r, g).tolist() == [4.0, 2.0, 3.0]
+    assert fuse("rerank", r, g) is g and fuse("retrieval", r, g) is r
+    z = fuse("zscore", r, g, weight=0.5)
+    by_hand = 0.5 * (r - 2) / r.std() + 0.5 * (g - 1) / g.std()
+    np.testing.assert_allclose(z, by_hand, atol=1e-5)
+    with pytest.raises(ValueError, match="unknown fusion"):
+        fuse("max", r, g)
+
+
+def test_keep_drops_padding_echoes_and_exclusions_by_text_and_id():
+    query = Query(context=("HELLO ",), exclude_texts=(" c",), exclude_ids={1})
+    assert query.keep(np.array([3, -1, 0, 1, 2, 4]), KEYS) == [2, 5]
+    assert query.depth(2) == 2 + 1 + 1 + 1
+
+
+def test_order_fuses_the_first_n_r_and_keeps_retrieval_order_on_ties():
+    c = Candidates(np.array([7, 8, 9]), np.array([3.0, 2.0, 1.0]), np.array([0.0, 0.0, 5.0]))
+    positions, final = order(c, "rerank", 3)
+    assert positions.tolist() == [2, 0, 1] and final.tolist() == [5.0, 0.0, 0.0]
+    assert order(c, "rerank", 2)[0].tolist() == [0, 1]  # the third is beyond n_r
+    assert order(c, "retrieval", 3)[0].tolist() == [0, 1, 2]
+    with pytest.raises(ValueError, match="rerank scores"):
+        order(Candidates(c.ids, c.retrieval), "sum", 3)
+    empty = Candidates(np.zeros(0, dtype=int), np.zeros(0))
+    assert order(empty, "zscore", 5)[0].tolist() == []
+
+
+def test_score_lists_splits_one_flat_call_back_per_context():
+    calls = []
+
+    def score(contexts, responses):
+        calls.append(len(responses))
+        return np.array([len(c) * 10 + len(r) for c, r in zip(contexts, responses, strict=True)])
+
+    got = score_lists(score, [["x"], ["x", "y"], ["z"]], [["aa", "b"], [], ["ccc"]])
+    assert calls == [3]
+    assert [g.tolist() for g in got] == [[12.0, 11.0], [], [13.0]]
+
+
+def test_pipeline_over_fetches_so_filtered_hits_do_not_shorten_the_list():
+    asked = []
+
+    def retrieve(contexts, k):  # every context gets the pool in order, echo first
+        asked.append(k)
+        ids = np.array([[3, 0, 1, 2, 4, 5][:k]] * len(contexts))
+        return ids, -np.arange(k, dtype=float)[None].repeat(len(contexts), 0)
+
+    ranking = Pipeline(retrieve, POOL, KEYS, lambda c, r: np.array([float(t == "c") for t in r]))
+    queries = [Query(("hello",)), Query(("x",), exclude_ids={0})]
+    got = ranking.rank(queries, depth=3, n_r=2)
+    assert asked == [3 + 2]  # one call, deep enough for the query with two blocked entries
+    assert [c.ids.tolist() for c in got] == [[0, 1, 2], [3, 1, 2]]
+    assert [c.rerank.tolist() for c in got] == [[0.0, 0.0], [0.0, 0.0]]  # only the first n_r = 2
+    got = ranking.rank(queries, depth=3, n_r=3)
+    assert [c.ids[order(c, "rerank", 3)[0]].tolist() for c in got] == [[2, 0, 1], [2, 3, 1]]
