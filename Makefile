@@ -28,10 +28,11 @@ test: install
 test-full: install
 	$(BIN)/python -m pytest -q -m ""
 
-# Code, Dockerfiles (hadolint), Prometheus config and alert rules (promtool, Debian package `prometheus`),
+# Code and its layers (ruff, import-linter: pyproject.toml), Dockerfiles (hadolint), Prometheus config and alert rules (promtool, Debian package `prometheus`),
 # Kubernetes manifests against the API schemas (strict: unknown fields fail).
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/hadolint docker/Dockerfile docker/Dockerfile.gpu
 	@command -v promtool >/dev/null || { echo "promtool missing: apt-get install prometheus" >&2; exit 1; }
 	promtool check config docker/prometheus/prometheus.yml

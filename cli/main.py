@@ -153,7 +153,8 @@ def _eval_parser(sub) -> None:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from coreply.checkpoint import read_meta, write_json_atomic
+    from coreply.artifacts import write_json_atomic
+    from coreply.checkpoint import read_meta
     from coreply.corpus import responses_of
     from coreply.device import resolve_device
     from evaluation.report import EvalSpec, pool_for_eval, run_eval

@@ -17,27 +17,16 @@ the manifest, or :class:`BundleError` says which one does not.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import time
-import uuid
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from coreply.checkpoint import (
-    CheckpointError,
-    content_hash,
-    file_mismatch,
-    hash_tree,
-    read_meta,
-    replace_dir,
-    write_json_atomic,
-)
+from coreply.artifacts import read_sealed, seal
+from coreply.checkpoint import CheckpointError, read_meta
 from coreply.ranking import ZSCORE_WEIGHT, Pipeline
 from coreply.text import normalize
 
@@ -74,55 +63,18 @@ def read_responses(path: Path) -> list[str]:
 
 
 def finish(tmp: Path, final: Path, manifest: dict[str, Any]) -> dict[str, Any]:
-    """Hash the files of a bundle being written in ``tmp``, write its manifest, move it to ``final``."""
-    files = hash_tree(tmp, MANIFEST)
-    manifest = {**manifest, "format": FORMAT, "files": files, "bundle_version": content_hash(files)[:16]}
-    write_json_atomic(tmp / MANIFEST, manifest)
-    replace_dir(tmp, final)
-    return manifest
+    """Seal a bundle being written in ``tmp`` (file hashes, version, manifest) and move it to ``final``."""
+    return seal(tmp, final, MANIFEST, {**manifest, "format": FORMAT}, _stamp)
 
 
-@contextmanager
-def staging(final: Path) -> Iterator[Path]:
-    """A temporary directory beside ``final``; removed if the block fails."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex}.tmp")
-    tmp.mkdir()
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def link_or_copy(src: Path, dst: Path) -> None:
-    """Reuse an unchanged file in a new bundle version: a hard link when possible (files are never
-    modified in place, so sharing is safe), else a copy."""
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
+def _stamp(digest: str) -> dict[str, str]:
+    return {"bundle_version": digest[:16]}
 
 
 def read_manifest(root: Path, verify: bool = True) -> dict[str, Any]:
     """Read ``manifest.json`` and, by default, check every file's sha256 against it."""
-    path = root / MANIFEST
-    if not path.is_file():
-        raise BundleError(f"{root}: not a coreply bundle (no {MANIFEST}); build one with `coreply index`")
-    try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise BundleError(f"{path}: invalid JSON ({exc})") from exc
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise BundleError(f"{path}: unsupported format, expected {FORMAT!r}")
-    if verify:
-        recorded = manifest.get("files", {})
-        if problem := file_mismatch(root, recorded, MANIFEST):
-            raise BundleError(problem)
-        if manifest.get("bundle_version") != content_hash(recorded)[:16]:
-            raise BundleError(f"{path}: bundle_version does not match the file hashes")
-    return manifest
+    missing = f"not a coreply bundle (no {MANIFEST}); build one with `coreply index`"
+    return read_sealed(root, MANIFEST, FORMAT, BundleError, _stamp, missing, verify)
 
 
 @dataclass

@@ -9,10 +9,6 @@ loading rebuilds the base, verifies it, applies the adapters and merges them int
 from __future__ import annotations
 
 import hashlib
-import json
-import os
-import shutil
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +18,7 @@ from torch import nn
 from transformers import AutoTokenizer
 
 from coreply.adapters import add_lora, lora_settings, merge_lora, trainable_state
+from coreply.artifacts import read_sealed, seal, sha256_file, staging
 from coreply.config import ZERO_SHOT, ModelConfig
 from coreply.models import BiEncoder, CrossEncoder, resolve_base_model
 from coreply.tokenization import DialogueTokenizer
@@ -35,37 +32,6 @@ KINDS: dict[str, type[BiEncoder] | type[CrossEncoder]] = {"bi": BiEncoder, "cros
 
 class CheckpointError(ValueError):
     """A checkpoint directory that is missing, malformed or does not match its recorded hashes."""
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def content_hash(files: dict[str, str]) -> str:
-    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
-
-
-def hash_tree(root: Path, meta: str = META) -> dict[str, str]:
-    """sha256 of every file under ``root`` except the metadata file ``meta``, by relative posix path."""
-    return {
-        p.relative_to(root).as_posix(): sha256_file(p)
-        for p in sorted(root.rglob("*"))
-        if p.is_file() and p.name != meta
-    }
-
-
-def file_mismatch(root: Path, recorded: dict[str, str], meta: str = META) -> str | None:
-    """None if the files under ``root`` are exactly ``recorded`` (path -> sha256); else what differs."""
-    actual = hash_tree(root, meta)
-    for name in sorted(set(recorded) | set(actual)):
-        if recorded.get(name) != actual.get(name):
-            what = "missing" if name not in actual else "unexpected" if name not in recorded else "corrupted"
-            return f"{root / name}: {what} (sha256 does not match {meta})"
-    return None
 
 
 def save_weights(model: nn.Module, path: Path, state: dict[str, torch.Tensor] | None = None) -> None:
@@ -98,37 +64,13 @@ def load_weights(model: nn.Module, path: Path, expected: dict[str, torch.Tensor]
         )
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON to ``path`` via a temporary file + fsync + rename."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    with open(tmp, "w") as fh:
-        json.dump(data, fh, indent=2, sort_keys=True)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
-def replace_dir(tmp: Path, final: Path) -> None:
-    """Move a finished directory into place; an existing one is replaced only after the new one is whole."""
-    if final.exists():
-        old = final.with_name(f".{final.name}.{uuid.uuid4().hex}.old")
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, final)
-
-
 def save_checkpoint(
     model: BiEncoder | CrossEncoder, path: str | Path, extra: dict[str, Any] | None = None
 ) -> str:
     """Save ``model`` to directory ``path`` atomically; returns its content hash.
     ``extra`` is free-form provenance (training command, metrics) stored in ``checkpoint.json``."""
     final = Path(path)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex}.tmp")
-    tmp.mkdir()
-    try:
+    with staging(final) as tmp:
         adapter = lora_settings(model)
         if adapter is None:
             save_weights(model, tmp / WEIGHTS)
@@ -138,46 +80,30 @@ def save_checkpoint(
             base = base_weights(model.config)
             adapter["base_sha256"] = sha256_file(base)
             adapter["base_fp16_sha256"] = fp16_fingerprint(base)
-        files = hash_tree(tmp)
         meta = {
             "format": FORMAT,
             "kind": model.kind,
             "model_config": model.config.to_dict(),
             "backbone_config": model.backbone_config(),
-            "files": files,
-            "content_hash": content_hash(files),
             "extra": extra or {},
         }
         if adapter is not None:
             meta["adapter"] = adapter
-        write_json_atomic(tmp / META, meta)
-        replace_dir(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return meta["content_hash"]
+        return seal(tmp, final, META, meta, _stamp)["content_hash"]
+
+
+def _stamp(digest: str) -> dict[str, str]:
+    return {"content_hash": digest}
 
 
 def read_meta(path: str | Path, verify: bool = True) -> dict[str, Any]:
     """Read and (by default) verify ``checkpoint.json`` against the files; raises :class:`CheckpointError`."""
     root = Path(path)
-    meta_path = root / META
-    if not meta_path.is_file():
-        raise CheckpointError(f"{root}: not a coreply checkpoint (no {META})")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{meta_path}: invalid JSON ({exc})") from exc
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{meta_path}: unsupported format {meta.get('format')!r}, expected {FORMAT!r}")
+    meta = read_sealed(
+        root, META, FORMAT, CheckpointError, _stamp, f"not a coreply checkpoint (no {META})", verify
+    )
     if meta.get("kind") not in KINDS:
-        raise CheckpointError(f"{meta_path}: unknown kind {meta.get('kind')!r}")
-    if verify:
-        recorded = meta.get("files", {})
-        if problem := file_mismatch(root, recorded):
-            raise CheckpointError(problem)
-        if meta.get("content_hash") != content_hash(recorded):
-            raise CheckpointError(f"{meta_path}: content_hash does not match the file hashes")
+        raise CheckpointError(f"{root / META}: unknown kind {meta.get('kind')!r}")
     return meta
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from coreply.artifacts import link_or_copy, staging
 from coreply.bundle import (
     INDEX,
     MANIFEST,
@@ -24,10 +25,8 @@ from coreply.bundle import (
     IndexRetriever,
     apply_search_params,
     finish,
-    link_or_copy,
     load_bundle,
     make_backend,
-    staging,
     write_responses,
 )
 from coreply.checkpoint import load_bi, load_checkpoint, read_meta, save_checkpoint

@@ -8,8 +8,8 @@ import pytest
 from conftest import toy_pool
 from tiny import WORDS
 
+from coreply.artifacts import content_hash, hash_tree, write_json_atomic
 from coreply.bundle import MANIFEST, BundleError, TorchExactIndex, load_bundle, make_backend, search_on
-from coreply.checkpoint import content_hash, hash_tree, write_json_atomic
 from coreply.text import normalize
 from index_builder.build import add_responses, build_bundle
 

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from coreply.checkpoint import base_weights, fp16_fingerprint, read_meta, sha256_file
+from coreply.artifacts import sha256_file
+from coreply.checkpoint import base_weights, fp16_fingerprint, read_meta
 from coreply.config import ModelConfig
 from index_builder.default import DEFAULT_BI
 

@@ -30,7 +30,8 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from coreply.adapters import add_lora
-from coreply.checkpoint import load_checkpoint, save_checkpoint, write_json_atomic
+from coreply.artifacts import write_json_atomic
+from coreply.checkpoint import load_checkpoint, save_checkpoint
 from coreply.corpus import NegativeSampler, Pair
 from coreply.device import autocast, resolve_device
 from coreply.models import BiEncoder, CrossEncoder

@@ -1,0 +1,140 @@
+"""Artifact I/O shared by checkpoints and bundles: a directory sealed by one JSON file that records the
+sha256 of every other file, written atomically and verified on load.
+
+Writing: build the directory inside :func:`staging` (a temporary sibling, removed if anything fails),
+then :func:`seal` it (hash the files, write the JSON atomically, rename the directory into place).
+Reading: :func:`read_sealed` parses the JSON, checks its format and, by default, every file's hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def content_hash(files: dict[str, str]) -> str:
+    """One hash over a directory's {relative path: sha256}."""
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+
+def hash_tree(root: Path, meta: str) -> dict[str, str]:
+    """sha256 of every file under ``root`` except the metadata file ``meta``, by relative posix path."""
+    return {
+        p.relative_to(root).as_posix(): sha256_file(p)
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != meta
+    }
+
+
+def file_mismatch(root: Path, recorded: dict[str, str], meta: str) -> str | None:
+    """None if the files under ``root`` are exactly ``recorded`` (path -> sha256); else what differs."""
+    actual = hash_tree(root, meta)
+    for name in sorted(set(recorded) | set(actual)):
+        if recorded.get(name) != actual.get(name):
+            what = "missing" if name not in actual else "unexpected" if name not in recorded else "corrupted"
+            return f"{root / name}: {what} (sha256 does not match {meta})"
+    return None
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write JSON to ``path`` via a temporary file + fsync + rename."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    with open(tmp, "w") as fh:
+        json.dump(data, fh, indent=2, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Move a finished directory into place; an existing one is replaced only after the new one is whole."""
+    if final.exists():
+        old = final.with_name(f".{final.name}.{uuid.uuid4().hex}.old")
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, final)
+
+
+@contextmanager
+def staging(final: Path) -> Iterator[Path]:
+    """A temporary directory beside ``final``; removed if the block fails."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex}.tmp")
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def link_or_copy(src: Path, dst: Path) -> None:
+    """Reuse an unchanged file in a new artifact version: a hard link when possible (files are never
+    modified in place, so sharing is safe), else a copy."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def seal(
+    tmp: Path, final: Path, meta_name: str, meta: dict[str, Any], stamp: Callable[[str], dict[str, Any]]
+) -> dict[str, Any]:
+    """Record every file's sha256 under ``files`` in ``meta``, add ``stamp(content hash)`` (the format's
+    own version fields), write it as ``tmp/meta_name`` and move ``tmp`` to ``final``. Returns the meta."""
+    files = hash_tree(tmp, meta_name)
+    meta = {**meta, "files": files, **stamp(content_hash(files))}
+    write_json_atomic(tmp / meta_name, meta)
+    replace_dir(tmp, final)
+    return meta
+
+
+def read_sealed(
+    root: Path,
+    meta_name: str,
+    fmt: str,
+    error: type[Exception],
+    stamp: Callable[[str], dict[str, Any]],
+    missing: str,
+    verify: bool = True,
+) -> dict[str, Any]:
+    """Read ``root/meta_name``; it must be a JSON object of format ``fmt``. With ``verify``, the files
+    under ``root`` must be exactly those recorded and the version fields equal ``stamp(content hash)``.
+    Any failure raises ``error`` naming the file; ``missing`` says what ``root`` is not when the JSON
+    is absent."""
+    path = root / meta_name
+    if not path.is_file():
+        raise error(f"{root}: {missing}")
+    try:
+        meta = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise error(f"{path}: invalid JSON ({exc})") from exc
+    if not isinstance(meta, dict) or meta.get("format") != fmt:
+        found = meta.get("format") if isinstance(meta, dict) else None
+        raise error(f"{path}: unsupported format {found!r}, expected {fmt!r}")
+    if verify:
+        recorded = meta.get("files", {})
+        if problem := file_mismatch(root, recorded, meta_name):
+            raise error(problem)
+        for field, value in stamp(content_hash(recorded)).items():
+            if meta.get(field) != value:
+                raise error(f"{path}: {field} does not match the file hashes")
+    return meta
