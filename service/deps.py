@@ -1,0 +1,53 @@
+"""Dependencies the routes declare: the runtime state, the live engine, and the API-key check."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from service.engine import Engine
+from service.errors import NotReady, Unauthorized
+from service.settings import Settings
+from service.state import ServiceState
+
+
+def get_state(request: Request) -> ServiceState:
+    return request.app.state.service
+
+
+def live_engine(request: Request) -> Engine:
+    """The engine serving now; :class:`NotReady` while the bundle loads."""
+    state = get_state(request)
+    if state.engine is None or not state.ready:
+        raise NotReady("the bundle is loading")
+    return state.engine
+
+
+StateDep = Annotated[ServiceState, Depends(get_state)]
+EngineDep = Annotated[Engine, Depends(live_engine)]
+
+
+def key_check(settings: Settings, route: str) -> Callable:
+    """A dependency that enforces the API keys on ``route`` unless keys are off or the route is public.
+    Every configured key is compared, in constant time, so timing reveals neither a key nor which one."""
+    keys = [k.encode() for k in settings.keys]
+    if not keys or route in settings.public:
+
+        async def open_route() -> None:
+            return None
+
+        return open_route
+
+    async def check(request: Request) -> None:
+        auth = request.headers.get("authorization", "")
+        given = (auth[7:] if auth[:7].lower() == "bearer " else request.headers.get("x-api-key", "")).encode()
+        matched = False
+        for key in keys:
+            matched |= hmac.compare_digest(given, key)
+        if not matched:
+            raise Unauthorized()
+
+    return check

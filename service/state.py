@@ -1,0 +1,115 @@
+"""The service's runtime state: the live engine, readiness, draining, and hot reload.
+
+An engine must answer a golden query with finite scores before it serves, at start-up and on reload.
+A reload loads the configured bundle (e.g. a ``current`` symlink moved to a new version) beside the
+live one, verifies and warms it, then swaps it in; requests already running finish on the old one. On
+any failure the old bundle keeps serving, and ``coreply_reloads_total{result="failed"}`` and the log
+say why."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+from fastapi.exceptions import RequestValidationError
+
+from coreply.ranking import Query
+from service.engine import Engine, Job
+from service.metrics import Metrics
+from service.settings import Settings
+
+LOG = logging.getLogger("coreply.service")
+GOLDEN = ["hello! how are you?"]  # the warm-up request; a bundle must answer it before it serves
+
+
+def make_job(body: Any, engine: Engine, deadline: float | None = None) -> Job:
+    """A validated request body as the engine's job; ``top_k`` over ``n_candidates`` is a 422."""
+    n = body.n_candidates or max(engine.settings.default_candidates, body.top_k)
+    if body.top_k > n:
+        msg = f"top_k ({body.top_k}) exceeds n_candidates ({n})"
+        raise RequestValidationError([{"loc": ("body", "top_k"), "msg": msg, "type": "value_error"}])
+    query = Query(
+        context=tuple(body.context),
+        exclude_texts=tuple(x for x in body.exclude if isinstance(x, str)),
+        exclude_ids=frozenset(x for x in body.exclude if isinstance(x, int)),
+    )
+    return Job(query, body.top_k, n, body.fusion or engine.default_fusion, deadline)
+
+
+class ServiceState:
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: Metrics,
+        request_model: type,
+        engine_factory: Callable[[Settings, Metrics], Engine],
+    ) -> None:
+        self.settings, self.metrics = settings, metrics
+        self.request_model, self.engine_factory = request_model, engine_factory
+        self.engine: Engine | None = None
+        self.ready = False
+        self.draining = False
+        self._reloading = asyncio.Lock()
+
+    async def _warm(self, engine: Engine) -> None:
+        answer = await engine.respond(make_job(self.request_model(context=GOLDEN), engine))
+        if not answer["responses"] or not all(math.isfinite(r["score"]) for r in answer["responses"]):
+            raise RuntimeError(f"bundle {engine.bundle.version} gave no usable answer to the golden query")
+
+    async def _open(self) -> Engine:
+        """Load, verify (hashes, dimension, count, models), start and warm an engine."""
+        loop = asyncio.get_running_loop()
+        engine = await loop.run_in_executor(None, self.engine_factory, self.settings, self.metrics)
+        await engine.start()
+        try:
+            await self._warm(engine)
+        except BaseException:
+            await engine.stop()
+            raise
+        return engine
+
+    async def start(self) -> None:
+        self.engine = await self._open()
+        self.metrics.bundle.labels(self.engine.bundle.version).set(1)
+        self.ready = True
+        self.metrics.ready.set(0 if self.draining else 1)
+
+    async def stop(self) -> None:
+        self.ready = False
+        self.metrics.ready.set(0)
+        if self.engine is not None:
+            await self.engine.stop()
+
+    def begin_drain(self) -> None:
+        """``/readyz`` answers 503 from now on; requests already admitted are still served."""
+        self.draining = True
+        self.metrics.ready.set(0)
+
+    async def reload(self) -> bool:
+        """Swap in the configured bundle if it loads, verifies and warms; else keep the live one."""
+        async with self._reloading:
+            old = self.engine
+            assert old is not None
+            try:
+                new = await self._open()
+            except Exception as exc:
+                self.metrics.reloads.labels("failed").inc()
+                fields = {"error": f"{type(exc).__name__}: {exc}", "serving": old.bundle.version}
+                LOG.error("reload failed, still serving the previous bundle", extra={"fields": fields})
+                return False
+            self.engine = new
+            self.metrics.bundle.remove(old.bundle.version)
+            self.metrics.bundle.labels(new.bundle.version).set(1)
+            self.metrics.reloads.labels("ok").inc()
+            LOG.info("reloaded", extra={"fields": {"old": old.bundle.version, "new": new.bundle.version}})
+            await old.retire(self.settings.drain_seconds)
+            return True
+
+    def deadline(self, timeout_ms: int | None) -> float | None:
+        """The request's deadline (``time.perf_counter()``) from its header or the default; None = none."""
+        budget_ms = timeout_ms or self.settings.request_timeout_ms
+        return time.perf_counter() + budget_ms / 1000 if budget_ms else None
