@@ -53,6 +53,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--num-layers", type=int, default=None, help="keep the base model's first k layers (default: all)"
     )
+    g.add_argument(
+        "--poly-codes",
+        type=int,
+        default=0,
+        metavar="M",
+        help="train the retriever as a Poly-encoder with M learnt context codes (its poly stage then "
+        "reranks from cached response vectors); 0: a plain bi-encoder",
+    )
 
 
 def _model_config(args: argparse.Namespace) -> ModelConfig:
@@ -68,6 +76,7 @@ def _model_config(args: argparse.Namespace) -> ModelConfig:
         max_turns=args.max_turns,
         dropout=args.dropout,
         num_layers=args.num_layers,
+        poly_codes=args.poly_codes,
     )
 
 

@@ -16,6 +16,7 @@ the manifest, or :class:`BundleError` says which one does not.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Sequence
@@ -27,7 +28,7 @@ import numpy as np
 
 from coreply.artifacts import read_sealed, seal
 from coreply.checkpoint import CheckpointError, read_meta
-from coreply.ranking import ZSCORE_WEIGHT, Pipeline
+from coreply.ranking import ZSCORE_WEIGHT, Hits, Pipeline
 from coreply.text import normalize
 
 FORMAT = "coreply-bundle/1"
@@ -92,7 +93,7 @@ class Bundle:
         return self.manifest["bundle_version"]
 
     @property
-    def has_reranker(self) -> bool:
+    def has_cross(self) -> bool:
         return self.manifest["models"].get("cross") is not None
 
     def model_dir(self, kind: str) -> Path:
@@ -164,6 +165,12 @@ class TorchExactIndex:
         self.ntotal = index.ntotal
         self.vectors = torch.from_numpy(index.reconstruct_n(0, index.ntotal)).to(device)  # [N, D]
 
+    def reconstruct_batch(self, ids: np.ndarray) -> np.ndarray:
+        """[n] ids -> their vectors [n, D] (float32, on the CPU)."""
+        import torch
+
+        return self.vectors[torch.as_tensor(ids, device=self.vectors.device)].cpu().numpy()
+
     def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """queries [Q, D] -> (scores [Q, k], ids [Q, k]), best first; k is capped at ntotal."""
         import torch
@@ -199,15 +206,13 @@ def make_backend(bundle: Bundle, backend: str = "auto", threads: int = 1, device
     if backend == "torch" or not has_onnx:
         bi = load_checkpoint(bundle.model_dir("bi"), device, expect="bi")
         cross = (
-            load_checkpoint(bundle.model_dir("cross"), device, expect="cross")
-            if bundle.has_reranker
-            else None
+            load_checkpoint(bundle.model_dir("cross"), device, expect="cross") if bundle.has_cross else None
         )
         return TorchBackend(bi, cross)  # type: ignore[arg-type]
     return OnnxBackend(
         bundle.root / "onnx",
         load_dialogue_tokenizer(bundle.model_dir("bi")),
-        load_dialogue_tokenizer(bundle.model_dir("cross")) if bundle.has_reranker else None,
+        load_dialogue_tokenizer(bundle.model_dir("cross")) if bundle.has_cross else None,
         bundle.manifest["index"]["dim"],
         threads=threads,
         cuda=device.startswith("cuda"),
@@ -215,26 +220,59 @@ def make_backend(bundle: Bundle, backend: str = "auto", threads: int = 1, device
 
 
 class IndexRetriever:
-    """:data:`coreply.ranking.Retrieve` over a bundle: encode the contexts with a backend, search the
-    index. ``timings`` holds the last call's seconds per stage (the service reports them)."""
+    """:class:`coreply.ranking.Retriever` over a bundle: encode the contexts with a backend, search the
+    index. ``timings`` holds the last call's seconds per stage (the service reports them). With a
+    Poly-encoder backend the hits carry its context codes and :meth:`vectors` reads candidates'
+    response vectors back from the index (the poly stage's cache)."""
 
     def __init__(self, backend: Any, index: Any) -> None:
         self.backend, self.index = backend, index
         self.timings: dict[str, float] = {}
 
-    def __call__(self, contexts: Sequence[Sequence[str]], k: int) -> tuple[np.ndarray, np.ndarray]:
+    def __call__(self, contexts: Sequence[Sequence[str]], k: int) -> Hits:
         start = time.perf_counter()
-        queries = np.ascontiguousarray(self.backend.encode_contexts(contexts), dtype="float32")  # [B, D]
+        codes = None
+        if self.backend.poly_codes:
+            both = self.backend.encode_context_codes(contexts)  # [B, 1 + m, D]
+            queries, codes = both[:, 0], both[:, 1:]
+        else:
+            queries = self.backend.encode_contexts(contexts)  # [B, D]
         encoded = time.perf_counter()
+        queries = np.ascontiguousarray(queries, dtype="float32")
         scores, ids = self.index.search(queries, min(k, self.index.ntotal))  # [B, k] x2
         self.timings = {"encode": encoded - start, "search": time.perf_counter() - encoded}
-        return ids, scores
+        return Hits(ids, scores, codes)
+
+    def vectors(self, ids: np.ndarray) -> np.ndarray:
+        """[n] pool ids -> [n, D], as stored in the index."""
+        return self.index.reconstruct_batch(np.asarray(ids, dtype="int64"))
+
+
+def _readable(index: Any, root: Path) -> None:
+    """Make sure the poly stage can read response vectors back from ``index`` (an IVF index needs its
+    direct map; a product-quantised one hands back its approximations, as its search uses them)."""
+    if isinstance(index, TorchExactIndex):
+        return
+    import faiss
+
+    with contextlib.suppress(RuntimeError):  # raised for an index that is not IVF
+        faiss.extract_index_ivf(index).make_direct_map()
+    try:
+        index.reconstruct(0)
+    except RuntimeError as exc:
+        raise BundleError(
+            f"{root}: the poly stage cannot read response vectors from this index ({exc})"
+        ) from exc
 
 
 def pipeline(bundle: Bundle, backend: Any, index: Any = None) -> Pipeline:
     """The bundle's ranking pipeline on ``backend`` (over ``index``, default the bundle's own), with the
-    z-score weight it was calibrated with."""
+    z-score weight it was calibrated with. The rerank stage is the cross-encoder if the bundle has one,
+    else the poly stage if its retriever is a Poly-encoder."""
     weight = float(bundle.manifest.get("fusion", {}).get("zscore_weight", ZSCORE_WEIGHT))
-    retrieve = IndexRetriever(backend, bundle.index if index is None else index)
-    score = backend.score_pairs if backend.has_reranker else None
-    return Pipeline(retrieve, bundle.texts, bundle.keys, score, weight)
+    index = bundle.index if index is None else index
+    if backend.poly_codes and not backend.has_cross:
+        _readable(index, bundle.root)
+    retrieve = IndexRetriever(backend, index)
+    score = backend.score_pairs if backend.has_cross else None
+    return Pipeline(retrieve, bundle.texts, bundle.keys, score, weight, poly=bool(backend.poly_codes))

@@ -20,14 +20,18 @@ from transformers import AutoTokenizer
 from coreply.adapters import add_lora, lora_settings, merge_lora, trainable_state
 from coreply.artifacts import read_sealed, seal, sha256_file, staging
 from coreply.config import ZERO_SHOT, ModelConfig
-from coreply.models import BiEncoder, CrossEncoder, resolve_base_model
+from coreply.models import BiEncoder, CrossEncoder, resolve_base_model, retriever_class
 from coreply.tokenization import DialogueTokenizer
 
 FORMAT = "coreply-checkpoint/1"
 META = "checkpoint.json"
 WEIGHTS = "model.safetensors"
 ADAPTER = "adapter.safetensors"
-KINDS: dict[str, type[BiEncoder] | type[CrossEncoder]] = {"bi": BiEncoder, "cross": CrossEncoder}
+KINDS = ("bi", "cross")  # a Poly-encoder is a "bi" checkpoint whose config has poly_codes > 0
+
+
+def model_class(kind: str, config: ModelConfig) -> type[BiEncoder] | type[CrossEncoder]:
+    return retriever_class(config) if kind == "bi" else CrossEncoder
 
 
 class CheckpointError(ValueError):
@@ -147,7 +151,7 @@ def _load_adapter(root: Path, meta: dict[str, Any], config: ModelConfig) -> BiEn
             f"{root}: its adapters were trained on a different {config.base_model!r} base model than "
             f"{base} (fingerprint mismatch); install the base model the checkpoint names"
         )
-    model = KINDS[meta["kind"]].from_pretrained(config)
+    model = model_class(meta["kind"], config).from_pretrained(config)
     add_lora(model, int(adapter["rank"]), float(adapter["alpha"]))
     load_weights(model, root / ADAPTER, trainable_state(model))
     return model
@@ -169,7 +173,9 @@ def load_checkpoint(
             merge_lora(model)
     else:
         tokenizer = AutoTokenizer.from_pretrained(str(root / "tokenizer"))
-        model = KINDS[meta["kind"]].from_backbone_config(config, meta["backbone_config"], tokenizer)
+        model = model_class(meta["kind"], config).from_backbone_config(
+            config, meta["backbone_config"], tokenizer
+        )
         load_weights(model, root / WEIGHTS)
     model.content_hash = meta["content_hash"]
     return model.to(device).eval()

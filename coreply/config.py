@@ -1,4 +1,4 @@
-"""Model configuration: the one description of a bi-/cross-encoder that training, the index
+"""Model configuration: the one description of a bi-/poly-/cross-encoder that training, the index
 builder and the service all read from a checkpoint."""
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ class ModelConfig:
     max_response_tokens: int = 32
     max_turns: int = 5
     dropout: float = 0.1
+    poly_codes: int = 0  # > 0: the bi-encoder is a Poly-encoder with this many learnt context codes (m)
     num_layers: int | None = None  # keep only the base model's first k transformer layers (None = all);
     # a 2-layer reranker on 64-token pairs is about 5x cheaper than 6 layers on 128 (docs/performance.md)
 
@@ -45,6 +46,8 @@ class ModelConfig:
             raise ValueError("max_turns must be >= 1")
         if self.score_scale <= 0:
             raise ValueError("score_scale must be > 0")
+        if self.poly_codes < 0:
+            raise ValueError("poly_codes must be >= 0 (0: a plain bi-encoder)")
         if self.num_layers is not None and self.num_layers < 1:
             raise ValueError("num_layers must be >= 1 (or None for all of the base model's layers)")
 

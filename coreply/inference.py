@@ -1,7 +1,8 @@
 """Inference backends behind one interface, so the index builder and the service run the same code on
 PyTorch (the reference) and on ONNX Runtime (graphs exported from the same models, fp32 or dynamic int8).
 
-Every backend returns float32 numpy arrays: context / response embeddings [N, D] and pair scores [N].
+Every backend returns float32 numpy arrays: context / response embeddings [N, D] and pair scores [N];
+with a Poly-encoder retriever also the pooled context vector and its m codes together [N, 1 + m, D].
 Inputs go through the one :class:`~coreply.tokenization.DialogueTokenizer`, in length-sorted chunks.
 """
 
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 
 from coreply.device import autocast
-from coreply.models import BiEncoder, CrossEncoder, batched
+from coreply.models import BiEncoder, CrossEncoder, PolyEncoder, batched
 from coreply.tokenization import Batch, DialogueTokenizer
 
 ONNX_FILES = {"context": "context.onnx", "response": "response.onnx", "cross": "cross.onnx"}
@@ -28,9 +29,12 @@ PRECISIONS = ("fp32", "int8")
 class Backend(Protocol):
     name: str
     dim: int
-    has_reranker: bool
+    has_cross: bool  # a cross-encoder reranker is loaded
+    poly_codes: int  # m > 0 when the retriever is a Poly-encoder
 
     def encode_contexts(self, contexts: Sequence[Sequence[str]]) -> np.ndarray: ...
+
+    def encode_context_codes(self, contexts: Sequence[Sequence[str]]) -> np.ndarray: ...
 
     def encode_responses(self, responses: Sequence[str]) -> np.ndarray: ...
 
@@ -44,11 +48,18 @@ class TorchBackend:
         self.name = "torch"
         self.bi, self.cross, self.batch_size = bi, cross, batch_size
         self.dim = bi.dim
-        self.has_reranker = cross is not None
+        self.has_cross = cross is not None
+        self.poly_codes = bi.num_codes if isinstance(bi, PolyEncoder) else 0
 
     def encode_contexts(self, contexts: Sequence[Sequence[str]]) -> np.ndarray:
         with autocast(self.bi.device):
             return self.bi.embed_contexts(contexts, self.batch_size).numpy()
+
+    def encode_context_codes(self, contexts: Sequence[Sequence[str]]) -> np.ndarray:
+        if not isinstance(self.bi, PolyEncoder):
+            raise RuntimeError("this bundle's retriever is not a Poly-encoder")
+        with autocast(self.bi.device):
+            return self.bi.embed_context_codes(contexts, self.batch_size).numpy()
 
     def encode_responses(self, responses: Sequence[str]) -> np.ndarray:
         with autocast(self.bi.device):
@@ -70,8 +81,11 @@ class _ContextGraph(nn.Module):
         self.bi = bi
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """[N, L] x2 -> [N, D]"""
-        return self.bi.encode_context(Batch(input_ids, attention_mask, torch.zeros_like(input_ids)))
+        """[N, L] x2 -> [N, D], or a Poly-encoder's [N, 1 + m, D] (pooled vector, then codes)"""
+        batch = Batch(input_ids, attention_mask, torch.zeros_like(input_ids))
+        if isinstance(self.bi, PolyEncoder):
+            return self.bi.encode_context_codes(batch)
+        return self.bi.encode_context(batch)
 
 
 class _ResponseGraph(_ContextGraph):
@@ -186,14 +200,23 @@ class OnnxBackend:
         self.response = _session(onnx_dir / ONNX_FILES["response"], threads, cuda)
         cross_path = onnx_dir / ONNX_FILES["cross"]
         self.cross = _session(cross_path, threads, cuda) if cross_tokenizer and cross_path.is_file() else None
-        self.has_reranker = self.cross is not None
+        self.has_cross = self.cross is not None
+        self.poly_codes = bi_tokenizer.config.poly_codes
 
     @staticmethod
     def _run(session, batch: Batch) -> torch.Tensor:
         feeds = {i.name: getattr(batch, i.name).numpy() for i in session.get_inputs()}
         return torch.from_numpy(session.run(None, feeds)[0])
 
+    def encode_context_codes(self, contexts: Sequence[Sequence[str]]) -> np.ndarray:
+        if not self.poly_codes:
+            raise RuntimeError("this bundle's retriever is not a Poly-encoder")
+        tok = self.bi_tokenizer
+        return batched(contexts, self.batch_size, lambda c: self._run(self.context, tok.contexts(c))).numpy()
+
     def encode_contexts(self, contexts: Sequence[Sequence[str]]) -> np.ndarray:
+        if self.poly_codes:  # the graph gives the pooled vector first, then the codes
+            return np.ascontiguousarray(self.encode_context_codes(contexts)[:, 0])
         tok = self.bi_tokenizer
         return batched(contexts, self.batch_size, lambda c: self._run(self.context, tok.contexts(c))).numpy()
 

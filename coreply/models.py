@@ -1,7 +1,10 @@
-"""The one definition of coreply's two models.
+"""The one definition of coreply's models.
 
 * :class:`BiEncoder` (the retriever R): a context tower and a response tower, pooled, optionally
   projected; score = dot product (paper Eq. 1).
+* :class:`PolyEncoder`: a bi-encoder that also reads the context as m vectors through m learnt codes;
+  a candidate attends over them (Humeau et al., Sec. 4.4). Its pooled vector still retrieves, and the
+  codes rescore candidates from their cached response vectors: a reranker that needs no pair passes.
 * :class:`CrossEncoder` (the reranker G): ``[CLS] context [SEP] response [SEP]`` -> pooled -> MLP with
   tanh -> one logit. The papers squash it with a sigmoid; we keep the raw logit, which ranks identically
   and does not saturate the list-wise softmax used in training.
@@ -148,19 +151,30 @@ class BiEncoder(_Encoder):
     def dim(self) -> int:
         return self.config.projection_dim or self.context_tower.config.hidden_size
 
-    def _embed(self, tower: PreTrainedModel, projection: nn.Module, batch: Batch) -> torch.Tensor:
-        out = tower(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
-        emb = projection(pool(out, batch.attention_mask, self.config.pooling))  # [N, D]
+    def _head(self, projection: nn.Module, pooled: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [..., D]: projection, then L2 normalisation if configured."""
+        emb = projection(pooled)
         return nn.functional.normalize(emb, dim=-1) if self.config.normalize else emb
 
-    def encode_context(self, batch: Batch) -> torch.Tensor:
-        """-> [N, D], times ``score_scale`` (ranking is unchanged; training logits are scaled)"""
-        emb = self._embed(self.context_tower, self.context_projection, batch)
+    def _scaled(self, emb: torch.Tensor) -> torch.Tensor:
+        """Context side times ``score_scale`` (ranking is unchanged; training logits are scaled)."""
         return emb * self.config.score_scale if self.config.score_scale != 1.0 else emb
+
+    def _hidden(self, tower: PreTrainedModel, batch: Batch) -> torch.Tensor:
+        """-> [N, L, H]"""
+        return tower(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+
+    def encode_context(self, batch: Batch) -> torch.Tensor:
+        """-> [N, D]"""
+        hidden = self._hidden(self.context_tower, batch)
+        return self._scaled(
+            self._head(self.context_projection, pool(hidden, batch.attention_mask, self.config.pooling))
+        )
 
     def encode_response(self, batch: Batch) -> torch.Tensor:
         """-> [N, D]"""
-        return self._embed(self.response_tower, self.response_projection, batch)
+        hidden = self._hidden(self.response_tower, batch)
+        return self._head(self.response_projection, pool(hidden, batch.attention_mask, self.config.pooling))
 
     def forward(
         self, contexts: Batch, responses: Batch | Sequence[Batch]
@@ -187,6 +201,73 @@ class BiEncoder(_Encoder):
             batch_size,
             lambda chunk: self.encode_response(self.tokenizer.responses(chunk).to(self.device)),
         )
+
+
+def poly_scores(codes: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
+    """The Poly-encoder score. codes [B, m, D] (a context's m vectors), responses [B, M, D] or [M, D]
+    (shared by every context) -> [B, M]. Each candidate attends over the m vectors with weights
+    softmax(cand . y_i) and scores the attended vector: sum_i w_i (y_i . cand)."""
+    if responses.dim() == 2:
+        logits = torch.einsum("bmd,nd->bnm", codes, responses)  # [B, M, m]
+    else:
+        logits = torch.einsum("bmd,bnd->bnm", codes, responses)  # [B, M, m]
+    return (torch.softmax(logits, dim=-1) * logits).sum(-1)
+
+
+class PolyEncoder(BiEncoder):
+    """A :class:`BiEncoder` plus m learnt context codes (``config.poly_codes``). Code c_i reads the
+    context tower's last hidden states h_1..h_N as y_i = sum_j softmax_j(c_i . h_j) h_j, which goes
+    through the same projection, normalisation and scale as the pooled context vector."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        context_tower: PreTrainedModel,
+        response_tower: PreTrainedModel | None,
+        tokenizer: PreTrainedTokenizerBase,
+    ) -> None:
+        super().__init__(config, context_tower, response_tower, tokenizer)
+        if config.poly_codes < 1:
+            raise ValueError("a Poly-encoder needs poly_codes >= 1")
+        hidden = context_tower.config.hidden_size
+        self.codes = nn.Parameter(torch.randn(config.poly_codes, hidden) * 0.02)  # randomly initialised
+
+    @property
+    def num_codes(self) -> int:
+        return self.config.poly_codes
+
+    def encode_context_codes(self, batch: Batch) -> torch.Tensor:
+        """-> [N, 1 + m, D]: row 0 the pooled context vector (what retrieves), rows 1..m the code
+        vectors (what rescores), from one pass of the context tower."""
+        hidden = self._hidden(self.context_tower, batch)  # [N, L, H]
+        mask = batch.attention_mask
+        pooled = pool(hidden, mask, self.config.pooling)  # [N, H]
+        logits = torch.einsum("mh,nlh->nml", self.codes.to(hidden.dtype), hidden)  # [N, m, L]
+        logits = logits.masked_fill(mask[:, None, :] == 0, torch.finfo(logits.dtype).min)
+        read = torch.softmax(logits, dim=-1) @ hidden  # [N, m, H]
+        both = torch.cat([pooled[:, None], read], dim=1)  # [N, 1 + m, H]
+        return self._scaled(self._head(self.context_projection, both))
+
+    def forward(
+        self, contexts: Batch, responses: Batch | Sequence[Batch]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> context vectors [B, 1 + m, D] (pooled, then codes), response embeddings [M, D]."""
+        chunks = [responses] if isinstance(responses, Batch) else responses
+        return self.encode_context_codes(contexts), torch.cat([self.encode_response(r) for r in chunks])
+
+    @torch.inference_mode()
+    def embed_context_codes(self, contexts: Sequence[Sequence[str]], batch_size: int = 64) -> torch.Tensor:
+        """Pooled vector and code vectors of many contexts (float32, on CPU): [N, 1 + m, D]."""
+        return batched(
+            contexts,
+            batch_size,
+            lambda chunk: self.encode_context_codes(self.tokenizer.contexts(chunk).to(self.device)),
+        )
+
+
+def retriever_class(config: ModelConfig) -> type[BiEncoder]:
+    """The retriever family a config describes: a Poly-encoder when it has context codes."""
+    return PolyEncoder if config.poly_codes else BiEncoder
 
 
 class CrossEncoder(_Encoder):

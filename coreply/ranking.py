@@ -1,5 +1,9 @@
 """The ranking path, written once: recall -> drop echoes and exclusions -> rerank -> fuse -> order.
 
+The rerank stage is a cross-encoder (pairs through a transformer) or, when the retriever is a
+Poly-encoder, the poly stage: its context codes attend over the candidates' cached response vectors
+(no transformer pass at all).
+
 The service (``POST /respond``), ``coreply eval`` (protocol B) and the index builder's calibration all
 rank through :class:`Pipeline` and :func:`order`, so they cannot rank differently. The service runs the
 two model stages (:meth:`Pipeline.recall`, :meth:`Pipeline.rerank`) inside its micro-batchers;
@@ -11,17 +15,39 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
+import torch
 
+from coreply.models import poly_scores
 from coreply.text import normalize
 
 FUSIONS = ("retrieval", "rerank", "sum", "zscore")
 ZSCORE_WEIGHT = 0.5
 """The z-score fusion weight of the retrieval score when a bundle was not calibrated."""
 
-Retrieve = Callable[[Sequence[Sequence[str]], int], tuple[np.ndarray, np.ndarray]]
-"""(contexts [B], k) -> (pool ids [B, k], scores [B, k]), best first; id -1 pads a short row."""
+
+@dataclass
+class Hits:
+    """What a retriever found for a batch of contexts."""
+
+    ids: np.ndarray  # [B, k] pool ids, best first; -1 pads a short row
+    scores: np.ndarray  # [B, k]
+    codes: np.ndarray | None = None  # [B, m, D] a Poly-encoder's context codes (for the poly stage)
+
+
+class Retriever(Protocol):
+    def __call__(self, contexts: Sequence[Sequence[str]], k: int) -> Hits: ...
+
+
+class PolyRetriever(Retriever, Protocol):
+    """A Poly-encoder retriever: its hits carry codes, and it hands out cached response vectors."""
+
+    def vectors(self, ids: np.ndarray) -> np.ndarray:
+        """[n] pool ids -> their response vectors [n, D]."""
+        ...
+
 
 ScorePairs = Callable[[Sequence[Sequence[str]], Sequence[str]], np.ndarray]
 """(contexts [N], responses [N]) -> reranker scores [N]: a cross-encoder, or a serving backend."""
@@ -58,6 +84,7 @@ class Candidates:
     ids: np.ndarray  # [n] pool ids
     retrieval: np.ndarray  # [n] float64
     rerank: np.ndarray | None = field(default=None)  # [m <= n] float64, scores of ids[:m]
+    codes: np.ndarray | None = field(default=None)  # [m, D] the context's Poly-encoder codes
 
 
 def zscore(x: np.ndarray) -> np.ndarray:
@@ -107,43 +134,59 @@ def score_lists(
 
 
 class Pipeline:
-    """A retriever over a pool, optionally a reranker, and the z-score weight the pool was calibrated
-    with. ``texts`` and ``keys`` (normalised texts) are the pool, row i = id i."""
+    """A retriever over a pool, optionally a rerank stage, and the z-score weight the pool was
+    calibrated with. ``texts`` and ``keys`` (normalised texts) are the pool, row i = id i. The rerank
+    stage is the cross-encoder ``score_pairs`` when given, else with ``poly`` the Poly-encoder
+    retriever's own codes, else none."""
 
     def __init__(
         self,
-        retrieve: Retrieve,
+        retrieve: Retriever,
         texts: Sequence[str],
         keys: Sequence[str],
         score_pairs: ScorePairs | None = None,
         weight: float = ZSCORE_WEIGHT,
+        poly: bool = False,
     ) -> None:
         self.retrieve, self.texts, self.keys = retrieve, texts, keys
         self.score_pairs, self.weight = score_pairs, weight
+        if poly and score_pairs is None and not hasattr(retrieve, "vectors"):
+            raise ValueError("the poly stage needs a Poly-encoder retriever (with cached response vectors)")
+        self.reranker = "cross" if score_pairs is not None else "poly" if poly else None
 
     def recall(self, queries: Sequence[Query], n: Sequence[int]) -> list[Candidates]:
         """Up to ``n[i]`` answerable candidates for each query, from one retrieval call for all."""
-        k = min(max(r.depth(m) for r, m in zip(queries, n, strict=True)), len(self.texts))
-        ids, scores = self.retrieve([r.context for r in queries], k)  # [B, k] x2
+        k = min(max(q.depth(m) for q, m in zip(queries, n, strict=True)), len(self.texts))
+        hits = self.retrieve([q.context for q in queries], k)
         out = []
-        for query, want, row_ids, row_scores in zip(queries, n, ids, scores, strict=True):
-            kept = query.keep(row_ids, self.keys)[:want]
-            out.append(Candidates(np.asarray(row_ids)[kept], np.asarray(row_scores, dtype="float64")[kept]))
+        for i, (query, want) in enumerate(zip(queries, n, strict=True)):
+            kept = query.keep(hits.ids[i], self.keys)[:want]
+            codes = None if hits.codes is None else hits.codes[i]
+            scores = np.asarray(hits.scores[i], dtype="float64")[kept]
+            out.append(Candidates(np.asarray(hits.ids[i])[kept], scores, codes=codes))
         return out
 
     def rerank(self, queries: Sequence[Query], candidates: Sequence[Candidates], n_r: int) -> None:
-        """Score the first ``n_r`` candidates of every query with the reranker, in one call."""
+        """Score the first ``n_r`` candidates of every query with the rerank stage (one call for all
+        cross-encoder pairs)."""
+        if self.reranker == "poly":
+            vectors = self.retrieve.vectors  # type: ignore[attr-defined]
+            for c in candidates:
+                c.rerank = poly_rescore(c.codes, vectors(c.ids[:n_r]))
+            return
         if self.score_pairs is None:
-            raise ValueError("this pipeline has no reranker")
+            raise ValueError("this pipeline has no rerank stage")
         lists = [[self.texts[i] for i in c.ids[:n_r]] for c in candidates]
-        contexts = [r.context for r in queries]
+        contexts = [q.context for q in queries]
         for c, scores in zip(candidates, score_lists(self.score_pairs, contexts, lists), strict=True):
             c.rerank = scores
 
-    def rank(self, queries: Sequence[Query], depth: int, n_r: int = 0) -> list[Candidates]:
-        """Recall ``depth`` candidates per query and (with a reranker and ``n_r > 0``) rerank the first
-        ``n_r``: the service's two stages back to back, for evaluation and calibration."""
-        candidates = self.recall(queries, [depth] * len(queries))
-        if self.score_pairs is not None and n_r > 0:
-            self.rerank(queries, candidates, n_r)
-        return candidates
+
+def poly_rescore(codes: np.ndarray | None, vectors: np.ndarray) -> np.ndarray:
+    """The poly stage for one context: codes [m, D], candidate vectors [n, D] -> scores [n] (float64),
+    by the model's own :func:`~coreply.models.poly_scores`."""
+    if codes is None:
+        raise ValueError("the poly stage needs the retriever's context codes")
+    with torch.inference_mode():
+        scores = poly_scores(torch.from_numpy(codes)[None].float(), torch.from_numpy(vectors).float())
+    return scores[0].double().numpy()

@@ -13,23 +13,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from coreply.corpus import NegativeSampler, Pair
-from coreply.models import BiEncoder, CrossEncoder
-from coreply.ranking import (
-    ZSCORE_WEIGHT,
-    Candidates,
-    Pipeline,
-    Query,
-    Retrieve,
-    ScorePairs,
-    order,
-    score_lists,
-)
+from coreply.models import BiEncoder, CrossEncoder, PolyEncoder, poly_scores
+from coreply.ranking import ZSCORE_WEIGHT, Candidates, Hits, Pipeline, Query, order, score_lists
 from coreply.text import normalize
 from evaluation.metrics import gold_rank, summarize
 
@@ -49,14 +40,21 @@ def protocol_a_lists(
 
 def score_lists_bi(
     bi: BiEncoder, contexts: Sequence[Sequence[str]], lists: Sequence[Sequence[str]]
-) -> list[np.ndarray]:
+) -> dict[str, list[np.ndarray]]:
+    """{'bi': dot-product scores per list} and, for a Poly-encoder, {'poly': its code-attention scores}."""
     texts = sorted({t for candidates in lists for t in candidates})
     index = {t: i for i, t in enumerate(texts)}
     responses = bi.embed_responses(texts)  # [T, D]
-    queries = bi.embed_contexts(contexts)  # [B, D]
-    return [
-        (responses[[index[t] for t in cands]] @ q).numpy() for q, cands in zip(queries, lists, strict=True)
-    ]
+    if isinstance(bi, PolyEncoder):
+        vectors = bi.embed_context_codes(contexts)  # [B, 1 + m, D]
+        queries, codes = vectors[:, 0], vectors[:, 1:]
+    else:
+        queries, codes = bi.embed_contexts(contexts), None  # [B, D]
+    rows = [responses[[index[t] for t in cands]] for cands in lists]  # [N_i, D] each
+    out = {"bi": [(r @ q).numpy() for q, r in zip(queries, rows, strict=True)]}
+    if codes is not None:
+        out["poly"] = [poly_scores(c[None], r)[0].numpy() for c, r in zip(codes, rows, strict=True)]
+    return out
 
 
 def score_lists_cross(
@@ -71,11 +69,12 @@ def evaluate_lists(
     bi: BiEncoder | None = None,
     cross: CrossEncoder | None = None,
 ) -> dict[str, dict]:
-    """Protocol A for whichever models are given: {'bi'|'cross'|'sum': {'metrics', 'ranks', 'top'}}."""
+    """Protocol A for whichever models are given: {'bi'|'poly'|'cross'|'sum': {'metrics', 'ranks',
+    'top'}} ('poly' when the bi-encoder is a Poly-encoder)."""
     contexts = [p.context for p in pairs]
     scores: dict[str, list[np.ndarray]] = {}
     if bi is not None:
-        scores["bi"] = score_lists_bi(bi, contexts, lists)
+        scores |= score_lists_bi(bi, contexts, lists)
     if cross is not None:
         scores["cross"] = score_lists_cross(cross, contexts, lists)
     if bi is not None and cross is not None:
@@ -102,29 +101,41 @@ class BM25Retriever:
         self.model.index(bm25s.tokenize(list(pool), show_progress=False), show_progress=False)
         self.size = len(pool)
 
-    def __call__(self, contexts: Sequence[Sequence[str]], k: int) -> tuple[np.ndarray, np.ndarray]:
+    def __call__(self, contexts: Sequence[Sequence[str]], k: int) -> Hits:
         tokens = self._bm25s.tokenize([" ".join(c) for c in contexts], show_progress=False)
         ids, scores = self.model.retrieve(tokens, k=min(k, self.size), show_progress=False)
-        return np.asarray(ids), np.asarray(scores)
+        return Hits(np.asarray(ids), np.asarray(scores))
 
 
 class DenseRetriever:
     """Bi-encoder + exact inner-product search over the pool: one matmul and a top-k on the model's
-    device (the GPU when training there; evaluation needs no FAISS)."""
+    device (the GPU when training there; evaluation needs no FAISS). A Poly-encoder's hits also carry
+    its context codes, and :meth:`vectors` hands out the pool's response vectors for the poly stage."""
 
     def __init__(self, bi: BiEncoder, pool: Sequence[str]) -> None:
         self.bi = bi
         self.embeddings = bi.embed_responses(pool).to(bi.device)  # [P, D]
 
-    def __call__(self, contexts: Sequence[Sequence[str]], k: int) -> tuple[np.ndarray, np.ndarray]:
-        ids, scores = [], []
+    def __call__(self, contexts: Sequence[Sequence[str]], k: int) -> Hits:
+        ids, scores, codes = [], [], []
         k = min(k, len(self.embeddings))
+        poly = isinstance(self.bi, PolyEncoder)
         for start in range(0, len(contexts), 256):  # [256, P] score blocks keep memory flat
-            queries = self.bi.embed_contexts(contexts[start : start + 256]).to(self.embeddings.device)
-            top = torch.topk(queries @ self.embeddings.T, k, dim=1)  # [Q, k] x2
+            block = contexts[start : start + 256]
+            if poly:
+                both = self.bi.embed_context_codes(block)  # [Q, 1 + m, D]
+                queries = both[:, 0]
+                codes.append(both[:, 1:].numpy())
+            else:
+                queries = self.bi.embed_contexts(block)
+            top = torch.topk(queries.to(self.embeddings.device) @ self.embeddings.T, k, dim=1)  # [Q, k] x2
             ids.append(top.indices.cpu().numpy())
             scores.append(top.values.float().cpu().numpy())
-        return np.concatenate(ids), np.concatenate(scores)
+        return Hits(np.concatenate(ids), np.concatenate(scores), np.concatenate(codes) if poly else None)
+
+    def vectors(self, ids: np.ndarray) -> np.ndarray:
+        """[n] pool ids -> [n, D]"""
+        return self.embeddings[torch.as_tensor(ids, device=self.embeddings.device)].float().cpu().numpy()
 
 
 @dataclass
@@ -137,25 +148,22 @@ class Retrieved:
     rerank_s: float
 
 
-def retrieve_and_rerank(
-    pairs: Sequence[Pair],
-    pool: Sequence[str],
-    pool_keys: Sequence[str],
-    retrieve: Retrieve,
-    depth: int,
-    score_pairs: ScorePairs | None,
-    rerank_depth: int,
-) -> Retrieved:
-    """Retrieve ``depth`` echo-free candidates per query and rerank-score the first ``rerank_depth``."""
-    ranking = Pipeline(retrieve, pool, pool_keys, score_pairs)
-    queries = [Query(p.context) for p in pairs]
+def retrieve_and_rerank(pairs: Sequence[Pair], ranking: Pipeline, depth: int, n_r: int) -> Retrieved:
+    """Retrieve ``depth`` echo-free candidates per query through ``ranking`` and rerank the first
+    ``n_r`` with its rerank stage (if any)."""
     start = time.perf_counter()
-    candidates = ranking.recall(queries, [depth] * len(queries))
-    retrieve_s = time.perf_counter() - start
+    candidates = ranking.recall([Query(p.context) for p in pairs], [depth] * len(pairs))
+    got = Retrieved(candidates, time.perf_counter() - start, 0.0)
+    return rerank(pairs, got, ranking, n_r) if ranking.reranker is not None and n_r > 0 else got
+
+
+def rerank(pairs: Sequence[Pair], got: Retrieved, ranking: Pipeline, n_r: int) -> Retrieved:
+    """A copy of ``got`` whose first ``n_r`` candidates per query are scored by ``ranking``'s rerank
+    stage (several stages can rerank one retrieval)."""
+    candidates = [replace(c, rerank=None) for c in got.candidates]
     start = time.perf_counter()
-    if score_pairs is not None:
-        ranking.rerank(queries, candidates, rerank_depth)
-    return Retrieved(candidates, retrieve_s, time.perf_counter() - start)
+    ranking.rerank([Query(p.context) for p in pairs], candidates, n_r)
+    return Retrieved(candidates, got.retrieve_s, time.perf_counter() - start)
 
 
 def ranked_ids(got: Retrieved, fusion: str, n_r: int, weight: float = ZSCORE_WEIGHT) -> list[np.ndarray]:

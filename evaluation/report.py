@@ -15,7 +15,8 @@ import torch
 from coreply.checkpoint import load_bi, load_checkpoint, read_meta
 from coreply.config import ZERO_SHOT
 from coreply.corpus import Pair, build_pool
-from coreply.ranking import ZSCORE_WEIGHT
+from coreply.models import PolyEncoder
+from coreply.ranking import ZSCORE_WEIGHT, Pipeline
 from coreply.text import normalize
 from evaluation.metrics import KS, paired_bootstrap, per_case, summarize
 from evaluation.protocols import (
@@ -27,6 +28,7 @@ from evaluation.protocols import (
     protocol_a_lists,
     ranked_ids,
     ranks_for,
+    rerank,
     retrieve_and_rerank,
 )
 from evaluation.restatement import RestatementJudge
@@ -60,6 +62,7 @@ def run_eval(spec: EvalSpec) -> dict[str, Any]:
     cross = load_checkpoint(spec.cross, spec.device, expect="cross") if spec.cross else None
     bi_name = _label(spec.bi, "Bi")
     cross_name = _label(spec.cross, "Cross")
+    poly_name = _label(spec.bi, "Poly")  # a Poly-encoder's code scores (its pooled vector is bi_name)
     result: dict[str, Any] = {"A": [], "B": [], "sweep": []}
     contexts = [p.context for p in spec.test]
     judge = RestatementJudge(load_bi(spec.judge, spec.device)) if spec.judge else None
@@ -76,7 +79,8 @@ def run_eval(spec: EvalSpec) -> dict[str, Any]:
     if "A" in spec.protocols:
         lists = protocol_a_lists(spec.test, spec.negatives, spec.candidates, spec.seed)
         scored = evaluate_lists(spec.test, lists, bi, cross)  # type: ignore[arg-type]
-        names = {"bi": bi_name, "cross": cross_name, "sum": f"{bi_name} + {cross_name} (sum)"}
+        names = {"bi": bi_name, "poly": poly_name, "cross": cross_name}
+        names["sum"] = f"{bi_name} + {cross_name} (sum)"
         result["A"] = [
             _row(names[k], v["ranks"], **restates([c[t] for c, t in zip(lists, v["top"], strict=True)]))
             for k, v in scored.items()
@@ -92,9 +96,7 @@ def run_eval(spec: EvalSpec) -> dict[str, Any]:
                     raise ValueError("retriever 'bi' needs --bi")
                 retrieve, label = DenseRetriever(bi, spec.pool), bi_name  # type: ignore[assignment]
             t0 = time.perf_counter()
-            score = None if cross is None else lambda c, r: cross.score_pairs(c, r).numpy()
-            got = retrieve_and_rerank(spec.test, spec.pool, keys, retrieve, depth, score, max(spec.n_r))
-
+            got = retrieve_and_rerank(spec.test, Pipeline(retrieve, spec.pool, keys), depth, 0)
             per_case_ms = 1000 * got.retrieve_s / len(spec.test)
             result["B"].append(
                 _row(
@@ -104,44 +106,52 @@ def run_eval(spec: EvalSpec) -> dict[str, Any]:
                     **restates(top_answers(spec.pool, got, "retrieval", depth)),
                 )
             )
-            if cross is None:
-                continue
+            stages = []  # (name, pipeline) per rerank stage this retriever can feed
+            if cross is not None:
+                score = lambda c, r: cross.score_pairs(c, r).numpy()  # noqa: E731
+                stages.append((cross_name, Pipeline(retrieve, spec.pool, keys, score)))
+            if isinstance(retrieve, DenseRetriever) and isinstance(bi, PolyEncoder):
+                stages.append((poly_name, Pipeline(retrieve, spec.pool, keys, poly=True)))
             valid_got = (
-                retrieve_and_rerank(spec.valid, spec.pool, keys, retrieve, depth, score, max(spec.n_r))
-                if spec.valid
+                retrieve_and_rerank(spec.valid, Pipeline(retrieve, spec.pool, keys), depth, 0)
+                if spec.valid and stages
                 else None
             )
-            for n_r in spec.n_r:
-                # Rerank time scales with n_r: charge each n_r its share of the measured rerank time.
-                ms = per_case_ms + 1000 * got.rerank_s / len(spec.test) * n_r / max(spec.n_r)
-                weight = (
-                    choose_zscore_weight(spec.valid, keys, valid_got, n_r) if spec.valid else ZSCORE_WEIGHT
-                )
-                for fusion, title in (
-                    ("rerank", "rerank"),
-                    ("sum", "sum"),
-                    ("zscore", f"z-score w={weight:.1f}"),
-                ):
-                    ranks = ranks_for(spec.test, keys, got, fusion, n_r, weight)
-                    name = f"{label} → {cross_name} [{title}]"
-                    result["B"].append(
-                        _row(
-                            name,
-                            ranks,
-                            n_r=n_r,
-                            fusion=fusion,
-                            ms_per_case=round(ms, 2),
-                            **restates(top_answers(spec.pool, got, fusion, n_r, weight)),
+            for stage_name, stage in stages:
+                reranked = rerank(spec.test, got, stage, max(spec.n_r))
+                valid_reranked = rerank(spec.valid, valid_got, stage, max(spec.n_r)) if valid_got else None
+                for n_r in spec.n_r:
+                    # Rerank time scales with n_r: charge each n_r its share of the measured rerank time.
+                    ms = per_case_ms + 1000 * reranked.rerank_s / len(spec.test) * n_r / max(spec.n_r)
+                    weight = (
+                        choose_zscore_weight(spec.valid, keys, valid_reranked, n_r)
+                        if valid_reranked
+                        else ZSCORE_WEIGHT
+                    )
+                    for fusion, title in (
+                        ("rerank", "rerank"),
+                        ("sum", "sum"),
+                        ("zscore", f"z-score w={weight:.1f}"),
+                    ):
+                        ranks = ranks_for(spec.test, keys, reranked, fusion, n_r, weight)
+                        result["B"].append(
+                            _row(
+                                f"{label} → {stage_name} [{title}]",
+                                ranks,
+                                n_r=n_r,
+                                fusion=fusion,
+                                ms_per_case=round(ms, 2),
+                                **restates(top_answers(spec.pool, reranked, fusion, n_r, weight)),
+                            )
                         )
-                    )
-                    result["sweep"].append(
-                        {
-                            "system": f"{label} → {cross_name} [{fusion}]",
-                            "n_r": n_r,
-                            "hits@1": summarize(ranks)["hits@1"],
-                            "ms_per_case": ms,
-                        }
-                    )
+                        result["sweep"].append(
+                            {
+                                "system": f"{label} → {stage_name} [{fusion}]",
+                                "n_r": n_r,
+                                "hits@1": summarize(ranks)["hits@1"],
+                                "ms_per_case": ms,
+                            }
+                        )
             print(f"  {label}: B done in {time.perf_counter() - t0:.0f}s", flush=True)
     result["meta"] = {
         "name": spec.name,

@@ -22,11 +22,11 @@ from coreply.bundle import (
     MANIFEST,
     RESPONSES,
     Bundle,
-    IndexRetriever,
     apply_search_params,
     finish,
     load_bundle,
     make_backend,
+    pipeline,
     write_responses,
 )
 from coreply.checkpoint import load_bi, load_checkpoint, read_meta, save_checkpoint
@@ -34,6 +34,7 @@ from coreply.config import ZERO_SHOT
 from coreply.corpus import Pair, build_pool
 from coreply.device import resolve_device
 from coreply.inference import Backend, export_onnx
+from coreply.ranking import Pipeline
 from coreply.text import normalize
 from evaluation.protocols import choose_zscore_weight, retrieve_and_rerank
 from index_builder.faiss_index import EXACT, make_index, recall_vs_exact
@@ -75,15 +76,11 @@ def _place_model(spec: str, kind: str, dest: Path, device: str):
     return load_checkpoint(dest, device, expect=kind)
 
 
-def calibrate_zscore(
-    backend: Backend, index, pool: Sequence[str], pairs: Sequence[Pair], n_r: int = 10
-) -> dict[str, Any]:
+def calibrate_zscore(ranking: Pipeline, pairs: Sequence[Pair], n_r: int = 10) -> dict[str, Any]:
     """Choose the z-score fusion weight with the best hits@1 on held-out pairs whose gold responses are in
     the pool (the evaluation's own grid search, through the serving pipeline), at ``n_r`` candidates."""
-    keys = [normalize(t) for t in pool]
-    retrieve = IndexRetriever(backend, index)
-    got = retrieve_and_rerank(pairs, pool, keys, retrieve, n_r, backend.score_pairs, n_r)
-    weight = choose_zscore_weight(pairs, keys, got, n_r)
+    got = retrieve_and_rerank(pairs, ranking, n_r, n_r)
+    weight = choose_zscore_weight(pairs, ranking.keys, got, n_r)
     return {"zscore_weight": weight, "calibrated_on": f"{len(pairs)} held-out pairs, hits@1 at n_r={n_r}"}
 
 
@@ -136,7 +133,7 @@ def build_bundle(
         }
         manifest["index"] = {"dim": bi_model.dim}
         use_onnx = onnx != "none" and torch_device.type == "cpu"
-        bundle = Bundle(tmp, manifest, None, list(pool), [])
+        bundle = Bundle(tmp, manifest, None, list(pool), [normalize(t) for t in pool])
         backend = make_backend(bundle, "onnx" if use_onnx else "torch", _threads(), str(torch_device))
         encode_start = time.perf_counter()
         vectors = encode_pool(backend, pool, progress=progress)
@@ -145,8 +142,9 @@ def build_bundle(
         index = make_index(vectors, factory)
         apply_search_params(index, search_params)
         recall = recall_vs_exact(index, vectors, query_vectors) if query_vectors is not None else {}
-        if cross_model is not None and calibration:
-            manifest["fusion"] = calibrate_zscore(backend, index, pool, calibration)
+        ranking = pipeline(bundle, backend, index)
+        if ranking.reranker is not None and calibration:
+            manifest["fusion"] = calibrate_zscore(ranking, calibration)
         import faiss
 
         faiss.write_index(index, str(tmp / INDEX))

@@ -38,7 +38,7 @@ class Engine:
         self.threads = threads  # intra-op threads of the backend
         self.active = 0  # requests in respond() now (a replaced engine stops when this reaches 0)
         self.pipeline = pipeline(bundle, backend)
-        self.default_fusion = "zscore" if backend.has_reranker else "retrieval"
+        self.default_fusion = "zscore" if self.pipeline.reranker else "retrieval"
         self.cascade = (
             Cascade(
                 settings.cascade_high_ms,
@@ -189,7 +189,7 @@ def fastest_backend(bundle: Bundle, settings: Settings) -> tuple[Backend, int]:
         for _ in range(4):
             t = time.perf_counter()
             backend.encode_contexts([context])
-            if backend.has_reranker:
+            if backend.has_cross:
                 backend.score_pairs([context] * len(texts), texts)
             runs.append(time.perf_counter() - t)
         timed.append((float(np.median(runs[1:])), threads, backend))

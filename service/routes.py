@@ -47,7 +47,7 @@ def build_router(settings: Settings, request_model: type) -> APIRouter:
         note = request.state.log  # the access-log line's extra fields
         if settings.log_text:
             note["context"] = body.context
-        if body.fusion in ("rerank", "sum", "zscore") and not engine.backend.has_reranker:
+        if body.fusion in ("rerank", "sum", "zscore") and not engine.pipeline.reranker:
             raise NeedsReranker(f"{body.fusion!r} needs a reranker and this bundle has none")
         result = await engine.respond(make_job(body, engine, state.deadline(timeout_ms)))
         note["timings_ms"] = result["timings_ms"]
@@ -73,7 +73,7 @@ def build_router(settings: Settings, request_model: type) -> APIRouter:
             "bundle_version": engine.bundle.version,
             "responses": len(engine.bundle.texts),
             "backend": engine.backend.name,
-            "reranker": engine.backend.has_reranker,
+            "reranker": engine.pipeline.reranker,
             "threads": engine.threads,
         }
 

@@ -34,7 +34,7 @@ def test_duplicates_are_dropped_and_ids_stay_in_order(tmp_path, tiny_core):
     bundle = load_bundle(tmp_path / "b")
     assert bundle.texts == ["Hello there", "second", "third"]
     assert bundle.manifest["build"]["dropped_duplicates_or_blank"] == 2
-    assert not bundle.has_reranker and bundle.manifest["models"]["cross"] is None
+    assert not bundle.has_cross and bundle.manifest["models"]["cross"] is None
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ import torch
 from coreply.config import ModelConfig
 from coreply.corpus import Pair
 from coreply.models import BiEncoder, CrossEncoder
-from coreply.ranking import Candidates
+from coreply.ranking import Candidates, Pipeline
 from coreply.text import normalize
 from evaluation.protocols import (
     BM25Retriever,
@@ -50,8 +50,8 @@ def test_ranks_for_rerank_and_sum_and_retrieval():
 
 def test_bm25_finds_the_lexically_matching_response():
     retrieve = BM25Retriever(["the cat sat", "dogs bark loudly", "sunny weather today"])
-    ids, scores = retrieve([["is the weather sunny ?"]], 2)
-    assert ids[0][0] == 2 and scores[0][0] > scores[0][1]
+    hits = retrieve([["is the weather sunny ?"]], 2)
+    assert hits.ids[0][0] == 2 and hits.scores[0][0] > hits.scores[0][1]
 
 
 def test_dense_retriever_matches_brute_force_inner_product(tiny_model_dir):
@@ -59,11 +59,11 @@ def test_dense_retriever_matches_brute_force_inner_product(tiny_model_dir):
     bi = BiEncoder.from_pretrained(ModelConfig(base_model=str(tiny_model_dir))).eval()
     retrieve = DenseRetriever(bi, POOL)
     contexts = [["hello", "what food ?"], ["good morning"]]
-    ids, scores = retrieve(contexts, 3)
+    hits = retrieve(contexts, 3)
     brute = bi.embed_contexts(contexts) @ bi.embed_responses(POOL).T
     top = torch.topk(brute, 3, dim=1)
-    assert ids.tolist() == top.indices.tolist()
-    assert np.allclose(scores, top.values.numpy(), atol=1e-4)
+    assert hits.ids.tolist() == top.indices.tolist() and hits.codes is None
+    assert np.allclose(hits.scores, top.values.numpy(), atol=1e-4)
 
 
 def test_evaluate_lists_and_retrieve_and_rerank_run_with_real_models(tiny_model_dir):
@@ -75,9 +75,8 @@ def test_evaluate_lists_and_retrieve_and_rerank_run_with_real_models(tiny_model_
     assert set(result) == {"bi", "cross", "sum"}
     assert all(len(r["ranks"]) == 2 and 1 <= min(r["ranks"]) <= 4 for r in result.values())
     keys = [normalize(t) for t in POOL]
-    got = retrieve_and_rerank(
-        pairs, POOL, keys, DenseRetriever(bi, POOL), depth=4, score_pairs=cross.score_pairs, rerank_depth=3
-    )
+    ranking = Pipeline(DenseRetriever(bi, POOL), POOL, keys, lambda c, r: cross.score_pairs(c, r).numpy())
+    got = retrieve_and_rerank(pairs, ranking, depth=4, n_r=3)
     assert [len(c.rerank) for c in got.candidates] == [3, 3]
     assert all(keys[i] != "hello" for i in got.candidates[0].ids)  # the echo of turn 1 is gone
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from coreply.ranking import Candidates, Pipeline, Query, fuse, order, score_lists
+from coreply.ranking import Candidates, Hits, Pipeline, Query, fuse, order, score_lists
 from coreply.text import normalize
 
 POOL = ["a", "b", "c", "Hello", "d", "e"]
@@ -57,13 +57,18 @@ def test_pipeline_over_fetches_so_filtered_hits_do_not_shorten_the_list():
     def retrieve(contexts, k):  # every context gets the pool in order, echo first
         asked.append(k)
         ids = np.array([[3, 0, 1, 2, 4, 5][:k]] * len(contexts))
-        return ids, -np.arange(k, dtype=float)[None].repeat(len(contexts), 0)
+        return Hits(ids, -np.arange(k, dtype=float)[None].repeat(len(contexts), 0))
+
+    def rank(n_r):
+        got = ranking.recall(queries, [3, 3])
+        ranking.rerank(queries, got, n_r)
+        return got
 
     ranking = Pipeline(retrieve, POOL, KEYS, lambda c, r: np.array([float(t == "c") for t in r]))
     queries = [Query(("hello",)), Query(("x",), exclude_ids={0})]
-    got = ranking.rank(queries, depth=3, n_r=2)
+    got = rank(2)
     assert asked == [3 + 2]  # one call, deep enough for the query with two blocked entries
     assert [c.ids.tolist() for c in got] == [[0, 1, 2], [3, 1, 2]]
     assert [c.rerank.tolist() for c in got] == [[0.0, 0.0], [0.0, 0.0]]  # only the first n_r = 2
-    got = ranking.rank(queries, depth=3, n_r=3)
+    got = rank(3)
     assert [c.ids[order(c, "rerank", 3)[0]].tolist() for c in got] == [[2, 0, 1], [2, 3, 1]]

@@ -80,7 +80,7 @@ def test_fusion_modes(client, tiny_bundle):
 def test_service_and_evaluation_rank_identically(client, tiny_bundle):
     """The same contexts through ``/respond`` and through protocol B's code (the evaluation's
     retrieve_and_rerank + ranked_ids, on the bundle's own backend and index) give the same answers."""
-    from coreply.bundle import IndexRetriever, make_backend
+    from coreply.bundle import make_backend, pipeline
     from coreply.corpus import Pair
     from evaluation.protocols import ranked_ids, retrieve_and_rerank
 
@@ -89,9 +89,7 @@ def test_service_and_evaluation_rank_identically(client, tiny_bundle):
     weight = bundle.manifest["fusion"]["zscore_weight"]
     contexts = [["hello", q] for q, _ in TOPICS.values()] + [[a] for _, a in TOPICS.values()]
     pairs = [Pair(tuple(c), "") for c in contexts]
-    got = retrieve_and_rerank(
-        pairs, bundle.texts, bundle.keys, IndexRetriever(backend, bundle.index), 5, backend.score_pairs, 5
-    )
+    got = retrieve_and_rerank(pairs, pipeline(bundle, backend), 5, 5)
     for fusion in ("retrieval", "rerank", "sum", "zscore"):
         evaluated = [ids.tolist() for ids in ranked_ids(got, fusion, 5, weight)]
         served = [

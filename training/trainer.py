@@ -19,7 +19,7 @@ import os
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,7 @@ from coreply.artifacts import write_json_atomic
 from coreply.checkpoint import load_checkpoint, save_checkpoint
 from coreply.corpus import NegativeSampler, Pair
 from coreply.device import autocast, resolve_device
-from coreply.models import BiEncoder, CrossEncoder
+from coreply.models import BiEncoder, CrossEncoder, PolyEncoder, poly_scores, retriever_class
 from coreply.text import normalize
 from coreply.tokenization import Batch, DialogueTokenizer, token_budget_chunks
 from evaluation.protocols import evaluate_lists, protocol_a_lists
@@ -222,14 +222,14 @@ class Trainer:
             bi = (
                 load_checkpoint(cfg.init_bi, expect="bi")
                 if cfg.init_bi
-                else BiEncoder.from_pretrained(cfg.model)
+                else retriever_class(cfg.model).from_pretrained(cfg.model)
             )
             bi = bi.to(self.device).train()
         if cfg.trains_cross:
             cross = (
                 load_checkpoint(cfg.init_cross, expect="cross")
                 if cfg.init_cross
-                else CrossEncoder.from_pretrained(cfg.model)
+                else CrossEncoder.from_pretrained(replace(cfg.model, poly_codes=0))
             )
             cross = cross.to(self.device).train()
         if cfg.lora_rank:
@@ -335,20 +335,29 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------ scores
 
-    def _bi_scores(self, mb: MicroBatch):
-        """-> own-list scores R [B, N], and the CE logits/targets (over all lists with in-batch negatives)."""
+    def _bi_scores(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> own-list scores R [B, N] (what the partner learns from and teaches) and the retriever's
+        list-wise CE (over every list with in-batch negatives). A Poly-encoder's R are its poly scores;
+        its CE trains the pooled vector (which retrieves) and the codes (which rescore) together."""
         b, n = len(mb.lists), len(mb.lists[0])
         ctx, resp = self.wrapped["bi"](
             mb.contexts.to(self.device, non_blocking=True),
             [chunk.to(self.device, non_blocking=True) for _, chunk in mb.responses],
         )
         resp = in_row_order(resp, mb.responses).view(b, n, -1)  # [B, N, D]
-        own = torch.einsum("bd,bnd->bn", ctx, resp)  # [B, N]
+        codes = ctx[:, 1:] if ctx.dim() == 3 else None  # Poly-encoder: [B, m, D]
+        pooled = ctx[:, 0] if codes is not None else ctx  # [B, D]
+        own_bi = torch.einsum("bd,bnd->bn", pooled, resp)  # [B, N]
+        own = poly_scores(codes, resp) if codes is not None else own_bi  # [B, N]
         if not self.cfg.in_batch:
-            return own, own, None
-        everything = ctx @ resp.reshape(-1, resp.shape[-1]).T  # [B, B*N]
+            ce = listwise_ce(own_bi)
+            return own, ce + listwise_ce(own) if codes is not None else ce
+        flat = resp.reshape(-1, resp.shape[-1])  # [B*N, D]
         targets = torch.arange(b, device=ctx.device) * n
-        return own, everything, targets
+        ce = listwise_ce(pooled @ flat.T, targets)  # over [B, B*N]
+        if codes is not None:
+            ce = ce + listwise_ce(poly_scores(codes, flat), targets)
+        return own, ce
 
     def _cross_scores(self, model, chunks: Chunks, lists: Sequence[Sequence[str]]) -> torch.Tensor:
         """-> G [B, N], rows put back in list order after length-sorted chunks."""
@@ -362,15 +371,15 @@ class Trainer:
         mode the reranker's backward must wait for the retriever's update: its inputs are returned."""
         cfg = self.cfg
         with autocast(self.device):
-            R = R_ce = R_targets = G = None
+            R = R_ce = G = None
             if self.bi is not None:
-                R, R_ce, R_targets = self._bi_scores(mb)
+                R, R_ce = self._bi_scores(mb)
             if self.cross is not None:
                 G = self._cross_scores(self.wrapped["cross"], mb.cross, mb.lists)
 
             if cfg.mode == "independent":
                 if R is not None:
-                    self._backward("bi", listwise_ce(R_ce, R_targets), None, scale, logs)
+                    self._backward("bi", R_ce, None, scale, logs)
                 if G is not None:
                     self._backward("cross", listwise_ce(G), None, scale, logs)
             elif cfg.mode == "distill":
@@ -378,22 +387,18 @@ class Trainer:
                     K = self._cross_scores(self.teacher, mb.teacher, mb.lists)
                 if R is not None:
                     kl = cfg.gamma_r * kl_to_target(K, R, cfg.tau)
-                    self._backward("bi", listwise_ce(R_ce, R_targets), kl, scale, logs)
+                    self._backward("bi", R_ce, kl, scale, logs)
                 else:
                     kl = cfg.gamma_g * kl_to_target(K, G, cfg.tau)
                     self._backward("cross", listwise_ce(G), kl, scale, logs)
             elif cfg.mode == "core":
                 # Both losses from the same forward pass; each KL target is detached inside kl_to_target.
-                self._backward(
-                    "bi", listwise_ce(R_ce, R_targets), cfg.gamma_r * kl_to_target(G, R, cfg.tau), scale, logs
-                )
+                self._backward("bi", R_ce, cfg.gamma_r * kl_to_target(G, R, cfg.tau), scale, logs)
                 self._backward(
                     "cross", listwise_ce(G), cfg.gamma_g * kl_to_target(R, G, cfg.tau), scale, logs
                 )
             else:  # mutual: the retriever's loss uses G now; the reranker's uses the *updated* retriever
-                self._backward(
-                    "bi", listwise_ce(R_ce, R_targets), cfg.alpha * kl_to_target(G, R, cfg.tau), scale, logs
-                )
+                self._backward("bi", R_ce, cfg.alpha * kl_to_target(G, R, cfg.tau), scale, logs)
                 return mb, G
         return None
 
@@ -533,7 +538,7 @@ class Trainer:
         for name, model in (("bi", self.bi), ("cross", self.cross)):
             if model is None or name not in valid:
                 continue
-            score = valid[name]["hits@1"]
+            score = valid["poly" if isinstance(model, PolyEncoder) else name]["hits@1"]
             if score > self.best.get(name, -1.0):
                 self.best[name] = score
                 improved = True
