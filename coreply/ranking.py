@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol, get_args
 
 import numpy as np
 import torch
@@ -23,7 +23,8 @@ import torch
 from coreply.models import poly_scores
 from coreply.text import normalize
 
-FUSIONS = ("retrieval", "rerank", "sum", "zscore")
+Fusion = Literal["retrieval", "rerank", "sum", "zscore"]
+FUSIONS: tuple[str, ...] = get_args(Fusion)
 ZSCORE_WEIGHT = 0.5
 """The z-score fusion weight of the retrieval score when a bundle was not calibrated."""
 

@@ -66,13 +66,16 @@ RECIPE=(--normalize --score-scale 20 --lora-rank 8 --lr 5e-4 --log-every 50 --de
 RESTATE=(--paraphrase-negatives 4 --hard-pool "$HARD_POOL" --hard-refresh 200)
 
 # name | extra flags. Main comparison first, then the ablations, so a short lease still answers the
-# main question. distill needs independent's reranker, so it comes after it.
+# main question. distill needs independent's reranker, so it comes after it. core-poly trains the
+# retriever as a Poly-encoder (64 codes, issue #13) with the cross-encoder; its eval adds the poly
+# stage's rows beside the cross-encoder's.
 RUNS=(
   "core|--mode core ${RESTATE[*]}"
   "independent|--mode independent ${RESTATE[*]}"
   "core-plain|--mode core"
   "mutual|--mode mutual ${RESTATE[*]}"
   "distill|--mode distill --teacher $LEASE/independent/cross ${RESTATE[*]}"
+  "core-poly|--mode core ${RESTATE[*]} --poly-codes 64"
   "core-hard|--mode core ${RESTATE[*]} --hard-negatives 4"
   "core-own|--mode core ${RESTATE[*]} --own-turn-negatives 2"
 )

@@ -3,13 +3,12 @@ limits in force are the ones validated and the ones the OpenAPI schema at ``/doc
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, create_model, field_validator
 
+from coreply.ranking import Fusion
 from service.settings import Settings
-
-Fusion = Literal["retrieval", "rerank", "sum", "zscore"]
 
 
 class RespondBase(BaseModel):

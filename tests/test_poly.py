@@ -195,3 +195,19 @@ def test_the_cross_encoder_wins_the_rerank_stage_over_the_poly(tmp_path, tiny_po
     build_bundle(tmp_path / "b", toy_pool(), bi=str(run / "bi"), cross=str(run / "cross"), progress=False)
     bundle = load_bundle(tmp_path / "b")
     assert pipeline(bundle, make_backend(bundle)).reranker == "cross"
+
+
+def test_poly_stage_bench_runs_and_refuses_nonsense(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "bench" / "poly_stage.py"
+    out = tmp_path / "poly.json"
+    run = [sys.executable, str(script), "--pool", "500", "--n-r", "50", "--requests", "20", "--codes", "4"]
+    done = subprocess.run([*run, "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["codes"] for r in rows] == [4] and rows[0]["p50_ms"] > 0
+    bad = subprocess.run([*run[:2], "--n-r", "0"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "--n-r must be >= 1" in bad.stderr

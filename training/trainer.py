@@ -438,7 +438,7 @@ class Trainer:
             # Algorithm 1, line 10: recompute the retriever's predictions after its update.
             for mb, G in pending:
                 with torch.no_grad(), autocast(self.device):
-                    A_new, _, _ = self._bi_scores(mb)
+                    A_new, _ = self._bi_scores(mb)
                 self._backward(
                     "cross", listwise_ce(G), cfg.alpha * kl_to_target(A_new, G, cfg.tau), scale, logs
                 )
