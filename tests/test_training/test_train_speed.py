@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 
 
 def test_train_speed_reports_throughput_padding_and_utilisation_per_mode_and_variant(tmp_path):

@@ -5,7 +5,7 @@ import pytest
 
 from coreply.readers import DataError, read_jsonl, read_pairs, read_pool
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).parents[1] / "fixtures"
 
 
 def test_ubuntu_train_csv_keeps_positives_and_splits_turns_and_utterances():

@@ -25,7 +25,7 @@ def free_port() -> int:
 def run(rank: int, world: int, port: int, model_dir: str, out: str, batch_size: int) -> None:
     import torch.distributed as dist
 
-    sys.path.insert(0, str(Path(__file__).parent))
+    sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/, for conftest
     from conftest import TOPICS
 
     from coreply.corpus import Pair
