@@ -179,19 +179,25 @@ class BiEncoder(_Encoder):
     def forward(
         self, contexts: Batch, responses: Batch | Sequence[Batch]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> context embeddings [B, D], response embeddings [M, D]; scores are ``ctx @ resp.T``.
-        ``responses`` may come as chunks (less padding); their embeddings are concatenated in order."""
+        """-> the context side (:meth:`read_context`) and response embeddings [M, D]; a bi-encoder's
+        scores are ``ctx @ resp.T``. ``responses`` may come as chunks (less padding); their embeddings
+        are concatenated in order."""
         chunks = [responses] if isinstance(responses, Batch) else responses
-        return self.encode_context(contexts), torch.cat([self.encode_response(r) for r in chunks])
+        return self.read_context(contexts), torch.cat([self.encode_response(r) for r in chunks])
 
-    @torch.inference_mode()
+    def read_context(self, batch: Batch) -> torch.Tensor:
+        """What training scores a context with: [N, D] here (a Poly-encoder's [N, 1 + m, D])."""
+        return self.encode_context(batch)
+
+    def _contexts(self, contexts: Sequence[Sequence[str]], batch_size: int, encode) -> torch.Tensor:
+        with torch.inference_mode():
+            return batched(
+                contexts, batch_size, lambda chunk: encode(self.tokenizer.contexts(chunk).to(self.device))
+            )
+
     def embed_contexts(self, contexts: Sequence[Sequence[str]], batch_size: int = 64) -> torch.Tensor:
         """Embed many contexts (float32, on CPU): [N, D]."""
-        return batched(
-            contexts,
-            batch_size,
-            lambda chunk: self.encode_context(self.tokenizer.contexts(chunk).to(self.device)),
-        )
+        return self._contexts(contexts, batch_size, self.encode_context)
 
     @torch.inference_mode()
     def embed_responses(self, responses: Sequence[str], batch_size: int = 128) -> torch.Tensor:
@@ -248,21 +254,13 @@ class PolyEncoder(BiEncoder):
         both = torch.cat([pooled[:, None], read], dim=1)  # [N, 1 + m, H]
         return self._scaled(self._head(self.context_projection, both))
 
-    def forward(
-        self, contexts: Batch, responses: Batch | Sequence[Batch]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> context vectors [B, 1 + m, D] (pooled, then codes), response embeddings [M, D]."""
-        chunks = [responses] if isinstance(responses, Batch) else responses
-        return self.encode_context_codes(contexts), torch.cat([self.encode_response(r) for r in chunks])
+    def read_context(self, batch: Batch) -> torch.Tensor:
+        """Training scores with both the pooled vector and the codes: [N, 1 + m, D]."""
+        return self.encode_context_codes(batch)
 
-    @torch.inference_mode()
     def embed_context_codes(self, contexts: Sequence[Sequence[str]], batch_size: int = 64) -> torch.Tensor:
         """Pooled vector and code vectors of many contexts (float32, on CPU): [N, 1 + m, D]."""
-        return batched(
-            contexts,
-            batch_size,
-            lambda chunk: self.encode_context_codes(self.tokenizer.contexts(chunk).to(self.device)),
-        )
+        return self._contexts(contexts, batch_size, self.encode_context_codes)
 
 
 def retriever_class(config: ModelConfig) -> type[BiEncoder]:

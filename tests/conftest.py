@@ -46,28 +46,22 @@ def toy_pairs() -> list[Pair]:
 POOL_EXTRA = ["hello", "ok then", "see you later", "that is funny", "what do you mean ?"]
 
 
-@pytest.fixture(scope="session")
-def tiny_core(tmp_path_factory, tiny_model_dir, toy_pairs) -> Path:
-    """A tiny bi- and cross-encoder trained together (CORE) on the toy task: ``run/bi``, ``run/cross``."""
+def train_toy(out: Path, model: ModelConfig, pairs: list[Pair], **overrides) -> dict:
+    """Train on the toy task (CORE unless ``overrides`` say otherwise) into ``out``; the summary."""
     from training.config import TrainConfig
     from training.trainer import Trainer
 
+    settings = dict(mode="core", num_negatives=3, batch_size=8, max_steps=60, eval_every=30, valid_size=16)
+    settings |= dict(valid_candidates=4, lr=3e-3, device="cpu", log_every=30) | overrides
+    config = TrainConfig(output_dir=str(out), model=model, **settings)
+    return Trainer(config, pairs, pairs[:16], sorted({p.response for p in pairs})).fit()
+
+
+@pytest.fixture(scope="session")
+def tiny_core(tmp_path_factory, tiny_model_dir, toy_pairs) -> Path:
+    """A tiny bi- and cross-encoder trained together (CORE) on the toy task: ``run/bi``, ``run/cross``."""
     out = tmp_path_factory.mktemp("tiny-core") / "run"
-    config = TrainConfig(
-        output_dir=str(out),
-        model=ModelConfig(base_model=str(tiny_model_dir), dropout=0.0),
-        mode="core",
-        num_negatives=3,
-        batch_size=8,
-        max_steps=60,
-        eval_every=30,
-        valid_size=16,
-        valid_candidates=4,
-        lr=3e-3,
-        device="cpu",
-        log_every=30,
-    )
-    Trainer(config, toy_pairs, toy_pairs[:16], sorted({p.response for p in toy_pairs})).fit()
+    train_toy(out, ModelConfig(base_model=str(tiny_model_dir), dropout=0.0), toy_pairs)
     return out
 
 

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import TOPICS, toy_pool
+from conftest import TOPICS, toy_pool, train_toy
 from fastapi.testclient import TestClient
 
 from coreply.checkpoint import load_checkpoint, save_checkpoint
@@ -24,27 +24,8 @@ def poly_config(tiny_model_dir) -> ModelConfig:
 @pytest.fixture(scope="module")
 def tiny_poly_core(tmp_path_factory, poly_config, toy_pairs):
     """A tiny Poly-encoder trained with a cross-encoder by CORE: ``run/bi`` (poly), ``run/cross``."""
-    from training.config import TrainConfig
-    from training.trainer import Trainer
-
     out = tmp_path_factory.mktemp("tiny-poly") / "run"
-    config = TrainConfig(
-        output_dir=str(out),
-        model=poly_config,
-        mode="core",
-        num_negatives=3,
-        batch_size=8,
-        max_steps=60,
-        eval_every=30,
-        valid_size=16,
-        valid_candidates=4,
-        lr=3e-3,
-        in_batch=True,
-        device="cpu",
-        log_every=30,
-    )
-    summary = Trainer(config, toy_pairs, toy_pairs[:16], sorted({p.response for p in toy_pairs})).fit()
-    return out, summary
+    return out, train_toy(out, poly_config, toy_pairs, in_batch=True)
 
 
 @pytest.fixture(scope="module")
@@ -86,9 +67,6 @@ def test_codes_ignore_padding_and_the_pooled_row_is_the_bi_encoder_vector(poly_c
 
 
 def test_poly_trains_with_core_and_alone_and_round_trips(tiny_poly_core, poly_config, toy_pairs, tmp_path):
-    from training.config import TrainConfig
-    from training.trainer import Trainer
-
     run, summary = tiny_poly_core
     logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     valid = [r["valid"] for r in logged if r.get("valid")]
@@ -102,21 +80,8 @@ def test_poly_trains_with_core_and_alone_and_round_trips(tiny_poly_core, poly_co
     contexts = [p.context for p in toy_pairs[:3]]
     assert torch.allclose(again.embed_context_codes(contexts), poly.embed_context_codes(contexts))
 
-    alone = TrainConfig(
-        output_dir=str(tmp_path / "alone"),
-        model=poly_config,
-        mode="independent",
-        models="bi",
-        num_negatives=3,
-        batch_size=8,
-        max_steps=4,
-        eval_every=2,
-        valid_size=8,
-        valid_candidates=4,
-        device="cpu",
-        lora_rank=2,
-    )
-    Trainer(alone, toy_pairs, toy_pairs[:8], sorted({p.response for p in toy_pairs})).fit()
+    alone = dict(mode="independent", models="bi", max_steps=4, eval_every=2, lora_rank=2)
+    train_toy(tmp_path / "alone", poly_config, toy_pairs, **alone)
     adapted = load_checkpoint(tmp_path / "alone" / "bi")  # LoRA: the codes are in the adapter file
     assert isinstance(adapted, PolyEncoder)
     assert not torch.allclose(adapted.codes, retriever_class(poly_config).from_pretrained(poly_config).codes)
