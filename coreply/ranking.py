@@ -7,8 +7,9 @@ Poly-encoder, the poly stage: its context codes attend over the candidates' cach
 The service (``POST /respond``), ``coreply eval`` (protocol B) and the index builder's calibration all
 rank through :class:`Pipeline` and :func:`order`, so they cannot rank differently. The service runs the
 two model stages (:meth:`Pipeline.recall`, :meth:`Pipeline.rerank`) inside its micro-batchers;
-evaluation and calibration run them back to back with :meth:`Pipeline.rank`. Scoring (expensive) and
-ordering (cheap) are separate, so an evaluation scores once and orders under every fusion and n_r.
+evaluation and calibration run them back to back (``evaluation.protocols.retrieve_and_rerank``).
+Scoring (expensive) and ordering (cheap) are separate, so an evaluation scores once and orders under
+every fusion and n_r.
 """
 
 from __future__ import annotations
@@ -39,15 +40,10 @@ class Hits:
 
 
 class Retriever(Protocol):
+    """Finds hits for a batch of contexts. A Poly-encoder retriever's hits also carry codes, and it
+    has ``vectors(ids [n]) -> [n, D]``, the cached response vectors the poly stage reads."""
+
     def __call__(self, contexts: Sequence[Sequence[str]], k: int) -> Hits: ...
-
-
-class PolyRetriever(Retriever, Protocol):
-    """A Poly-encoder retriever: its hits carry codes, and it hands out cached response vectors."""
-
-    def vectors(self, ids: np.ndarray) -> np.ndarray:
-        """[n] pool ids -> their response vectors [n, D]."""
-        ...
 
 
 ScorePairs = Callable[[Sequence[Sequence[str]], Sequence[str]], np.ndarray]

@@ -67,15 +67,15 @@ class Engine:
     # ----------------------------------------------------------------- batch functions (inference thread)
 
     def _retrieve_batch(self, items: Sequence[tuple[Query, int]]):
-        """[(request, n)] -> [Candidates], one encode and one search for the whole batch."""
-        got = self.pipeline.recall([r for r, _ in items], [n for _, n in items])
+        """[(query, n)] -> [Candidates], one encode and one search for the whole batch."""
+        got = self.pipeline.recall([q for q, _ in items], [n for _, n in items])
         return got, dict(self.pipeline.retrieve.timings)  # type: ignore[attr-defined]
 
     def _rerank_batch(self, items: Sequence[tuple[Query, Candidates]]):
-        """[(request, candidates)] -> [candidates with rerank scores], all pairs scored together."""
+        """[(query, candidates)] -> the candidates with rerank scores, all of them scored in one call."""
         start = time.perf_counter()
         candidates = [c for _, c in items]
-        self.pipeline.rerank([r for r, _ in items], candidates, max(len(c.ids) for c in candidates))
+        self.pipeline.rerank([q for q, _ in items], candidates, max(len(c.ids) for c in candidates))
         return candidates, {"rerank": time.perf_counter() - start}
 
     # ------------------------------------------------------------------------------------ request path
