@@ -87,6 +87,16 @@ def test_poly_trains_with_core_and_alone_and_round_trips(tiny_poly_core, poly_co
     assert not torch.allclose(adapted.codes, retriever_class(poly_config).from_pretrained(poly_config).codes)
 
 
+@pytest.mark.parametrize("mode", ["mutual", "distill"])
+def test_poly_trains_in_the_other_modes(mode, tiny_poly_core, poly_config, toy_pairs, tmp_path):
+    run, _ = tiny_poly_core
+    extra = {"teacher": str(run / "cross")} if mode == "distill" else {}
+    summary = train_toy(
+        tmp_path / mode, poly_config, toy_pairs, mode=mode, max_steps=4, eval_every=2, **extra
+    )
+    assert summary["steps"] == 4 and isinstance(load_checkpoint(tmp_path / mode / "bi"), PolyEncoder)
+
+
 def test_protocol_a_and_b_report_the_poly_stage(tiny_poly_core, toy_pairs):
     from evaluation.report import EvalSpec, run_eval
 
