@@ -8,6 +8,8 @@ Layout::
     onnx/             ONNX exports of both (fp32 or int8; absent when built with ``--onnx none``)
     index.faiss       FAISS index over the response embeddings; row i is response id i
     responses.jsonl   {"id": i, "text": ...} per line, in id order
+    tokens/           with a cross-encoder: every response's word-piece ids (``ids.npy``, int32) and
+                      where each starts (``offsets.npy``, N + 1), so requests never tokenise a response
 
 A bundle is written to a temporary directory and renamed into place, and is verified on load: every
 file's sha256, the index dimension and count, the response count and the model hashes must agree with
@@ -30,11 +32,13 @@ from coreply.artifacts import read_sealed, seal
 from coreply.checkpoint import CheckpointError, read_meta
 from coreply.ranking import ZSCORE_WEIGHT, Hits, Pipeline
 from coreply.text import normalize
+from coreply.tokenization import flat_pieces
 
 FORMAT = "coreply-bundle/1"
 MANIFEST = "manifest.json"
 INDEX = "index.faiss"
 RESPONSES = "responses.jsonl"
+TOKENS = "tokens"
 
 
 class BundleError(ValueError):
@@ -63,6 +67,27 @@ def read_responses(path: Path) -> list[str]:
     return texts
 
 
+def write_tokens(root: Path, pieces: Sequence[Sequence[int]]) -> None:
+    """``root/tokens/``: the responses' word-piece ids, in id order (see :func:`flat_pieces`)."""
+    ids, offsets = flat_pieces(pieces)
+    (root / TOKENS).mkdir(exist_ok=True)
+    np.save(root / TOKENS / "ids.npy", ids)
+    np.save(root / TOKENS / "offsets.npy", offsets)
+
+
+def read_tokens(root: Path, count: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """The stored ids and offsets of ``count`` responses, or None for a bundle without them."""
+    if not (root / TOKENS).is_dir():
+        return None
+    ids = np.load(root / TOKENS / "ids.npy", allow_pickle=False)
+    offsets = np.load(root / TOKENS / "offsets.npy", allow_pickle=False)
+    ok = offsets.ndim == 1 and len(offsets) == count + 1 and offsets[0] == 0 and offsets[-1] == len(ids)
+    _check(
+        bool(ok) and bool(np.all(np.diff(offsets) >= 0)), root, f"{TOKENS}/ does not fit {count} responses"
+    )
+    return ids, offsets
+
+
 def finish(tmp: Path, final: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     """Seal a bundle being written in ``tmp`` (file hashes, version, manifest) and move it to ``final``."""
     return seal(tmp, final, MANIFEST, {**manifest, "format": FORMAT}, _stamp)
@@ -87,6 +112,7 @@ class Bundle:
     index: Any  # faiss.Index
     texts: list[str]
     keys: list[str]  # normalised texts, for echo / exclude filtering
+    tokens: tuple[np.ndarray, np.ndarray] | None = None  # the reranker's response ids, offsets
 
     @property
     def version(self) -> str:
@@ -152,7 +178,8 @@ def load_bundle(path: str | Path, verify: bool = True) -> Bundle:
         f"{RESPONSES} holds {len(texts)} responses, manifest says {info['count']}",
     )
     apply_search_params(index, info.get("search_params", ""))
-    return Bundle(root, manifest, index, texts, [normalize(t) for t in texts])
+    tokens = read_tokens(root, len(texts))
+    return Bundle(root, manifest, index, texts, [normalize(t) for t in texts], tokens)
 
 
 class TorchExactIndex:
@@ -208,15 +235,19 @@ def make_backend(bundle: Bundle, backend: str = "auto", threads: int = 1, device
         cross = (
             load_checkpoint(bundle.model_dir("cross"), device, expect="cross") if bundle.has_cross else None
         )
-        return TorchBackend(bi, cross)  # type: ignore[arg-type]
-    return OnnxBackend(
-        bundle.root / "onnx",
-        load_dialogue_tokenizer(bundle.model_dir("bi")),
-        load_dialogue_tokenizer(bundle.model_dir("cross")) if bundle.has_cross else None,
-        bundle.manifest["index"]["dim"],
-        threads=threads,
-        cuda=device.startswith("cuda"),
-    )
+        chosen = TorchBackend(bi, cross)  # type: ignore[arg-type]
+    else:
+        chosen = OnnxBackend(
+            bundle.root / "onnx",
+            load_dialogue_tokenizer(bundle.model_dir("bi")),
+            load_dialogue_tokenizer(bundle.model_dir("cross")) if bundle.has_cross else None,
+            bundle.manifest["index"]["dim"],
+            threads=threads,
+            cuda=device.startswith("cuda"),
+        )
+    if bundle.tokens is not None and chosen.cross_tokenizer is not None:
+        chosen.cross_tokenizer.attach(bundle.texts, *bundle.tokens)
+    return chosen
 
 
 class IndexRetriever:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -20,7 +20,7 @@ from torch import nn
 
 from coreply.device import autocast
 from coreply.models import BiEncoder, CrossEncoder, PolyEncoder, batched
-from coreply.tokenization import Batch, DialogueTokenizer
+from coreply.tokenization import Batch, DialogueTokenizer, pad_rows, token_budget_chunks
 
 ONNX_FILES = {"context": "context.onnx", "response": "response.onnx", "cross": "cross.onnx"}
 PRECISIONS = ("fp32", "int8")
@@ -30,6 +30,7 @@ class Backend(Protocol):
     name: str
     dim: int
     has_cross: bool  # a cross-encoder reranker is loaded
+    cross_tokenizer: DialogueTokenizer | None
     poly_codes: int  # m > 0 when the retriever is a Poly-encoder
 
     def encode_contexts(self, contexts: Sequence[Sequence[str]]) -> np.ndarray: ...
@@ -44,11 +45,15 @@ class Backend(Protocol):
 class TorchBackend:
     """The models themselves: fp32 on CPU, bf16 autocast on CUDA (the same numerics as training)."""
 
-    def __init__(self, bi: BiEncoder, cross: CrossEncoder | None, batch_size: int = 64) -> None:
+    def __init__(
+        self, bi: BiEncoder, cross: CrossEncoder | None, batch_size: int = 64, max_batch_tokens: int = 4096
+    ) -> None:
         self.name = "torch"
         self.bi, self.cross, self.batch_size = bi, cross, batch_size
+        self.max_batch_tokens = max_batch_tokens
         self.dim = bi.dim
         self.has_cross = cross is not None
+        self.cross_tokenizer = cross.tokenizer if cross is not None else None
         self.poly_codes = bi.num_codes if isinstance(bi, PolyEncoder) else 0
 
     def encode_contexts(self, contexts: Sequence[Sequence[str]]) -> np.ndarray:
@@ -66,10 +71,32 @@ class TorchBackend:
             return self.bi.embed_responses(responses, 2 * self.batch_size).numpy()
 
     def score_pairs(self, contexts: Sequence[Sequence[str]], responses: Sequence[str]) -> np.ndarray:
-        if self.cross is None:
+        cross = self.cross
+        if cross is None:
             raise RuntimeError("this bundle has no reranker")
-        with autocast(self.cross.device):
-            return self.cross.score_pairs(contexts, responses, self.batch_size).numpy()
+
+        def run(batch: Batch) -> np.ndarray:
+            return cross(batch.to(cross.device)).float().cpu().numpy()
+
+        with autocast(cross.device), torch.inference_mode():
+            return score_by_tokens(cross.tokenizer, contexts, responses, self.max_batch_tokens, run)
+
+
+def score_by_tokens(
+    tok: DialogueTokenizer,
+    contexts: Sequence[Sequence[str]],
+    responses: Sequence[str],
+    max_tokens: int,
+    run: Callable[[Batch], np.ndarray],
+) -> np.ndarray:
+    """Pair scores [N] in input order: rows assembled from ids (stored responses are not tokenised
+    again), length-sorted, and run in chunks of at most ``max_tokens`` padded tokens."""
+    rows = tok.pair_rows(contexts, responses)
+    out = np.empty(len(rows), dtype="float32")
+    for chunk in token_budget_chunks([len(r) for r, _ in rows], max_tokens):
+        batch = pad_rows([rows[i][0] for i in chunk], tok.pad, [rows[i][1] for i in chunk])
+        out[chunk] = run(batch)
+    return out
 
 
 # ------------------------------------------------------------------------------------------- export
@@ -191,8 +218,10 @@ class OnnxBackend:
         threads: int = 1,
         batch_size: int = 64,
         cuda: bool = False,
+        max_batch_tokens: int = 4096,
     ) -> None:
         self.name = "onnx"
+        self.max_batch_tokens = max_batch_tokens
         self.dim = dim
         self.batch_size = batch_size
         self.bi_tokenizer, self.cross_tokenizer = bi_tokenizer, cross_tokenizer
@@ -228,7 +257,6 @@ class OnnxBackend:
     def score_pairs(self, contexts: Sequence[Sequence[str]], responses: Sequence[str]) -> np.ndarray:
         if self.cross is None or self.cross_tokenizer is None:
             raise RuntimeError("this bundle has no reranker")
-        tok = self.cross_tokenizer
-        items = list(zip(contexts, responses, strict=True))
-        run = lambda chunk: self._run(self.cross, tok.pairs([c for c, _ in chunk], [r for _, r in chunk]))  # noqa: E731
-        return batched(items, self.batch_size, run).numpy()
+        session = self.cross
+        run = lambda batch: self._run(session, batch).numpy()  # noqa: E731
+        return score_by_tokens(self.cross_tokenizer, contexts, responses, self.max_batch_tokens, run)

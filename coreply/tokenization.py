@@ -5,7 +5,8 @@ Two layers, so that text is tokenised once and inputs are assembled from token i
 
 * :meth:`DialogueTokenizer.pieces` turns texts into word-piece ids without special tokens, from a cache
   filled by :meth:`DialogueTokenizer.warm` (training warms it with the whole corpus, so no step calls the
-  Hugging Face tokenizer); texts not in the cache are tokenised on the spot and not kept.
+  Hugging Face tokenizer) or from ids stored in a bundle (:meth:`DialogueTokenizer.attach`, so serving
+  never tokenises a response); texts in neither are tokenised on the spot and not kept.
 * ``context_body`` / ``response_body`` / ``pair_row`` apply the cuts and the ``[CLS]``/``[SEP]`` layout to
   ids. Every input the models ever see, in training, evaluation and serving, goes through them.
 """
@@ -80,6 +81,14 @@ def token_budget_chunks(lengths: Sequence[int], max_tokens: int) -> list[np.ndar
     return chunks
 
 
+def flat_pieces(pieces: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Many texts' pieces as one id array and offsets: text i is ``ids[offsets[i]:offsets[i + 1]]``."""
+    lengths = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=len(pieces))
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    ids = np.fromiter((i for p in pieces for i in p), dtype=np.int32, count=int(offsets[-1]))
+    return ids, offsets
+
+
 class DialogueTokenizer:
     """Formats contexts, responses and context-response pairs.
 
@@ -99,6 +108,8 @@ class DialogueTokenizer:
         self.sep = tokenizer.sep_token_id
         self.pad = tokenizer.pad_token_id
         self._cache: dict[str, list[int]] = {}
+        self._stored: dict[str, int] = {}  # text -> row of the attached ids
+        self._ids, self._offsets = np.zeros(0, dtype=np.int32), np.zeros(1, dtype=np.int64)
 
     # ------------------------------------------------------------------------------ text -> pieces
 
@@ -127,11 +138,27 @@ class DialogueTokenizer:
     def cached(self) -> int:
         return len(self._cache)
 
+    def attach(self, texts: Sequence[str], ids: np.ndarray, offsets: np.ndarray) -> None:
+        """Look ``texts`` up in stored ids instead of tokenising them: text i's pieces are
+        ``ids[offsets[i]:offsets[i + 1]]`` (as :func:`flat_pieces` writes them)."""
+        if len(offsets) != len(texts) + 1 or offsets[-1] != len(ids):
+            raise ValueError(f"stored token ids do not fit {len(texts)} texts")
+        self._stored = {t: i for i, t in enumerate(texts)}
+        self._ids, self._offsets = ids, offsets
+
+    def _piece(self, text: str, fresh: dict[str, list[int]]) -> list[int]:
+        if text in self._cache:
+            return self._cache[text]
+        row = self._stored.get(text)
+        if row is not None:
+            return self._ids[self._offsets[row] : self._offsets[row + 1]].tolist()
+        return fresh[text]
+
     def pieces(self, texts: Sequence[str]) -> list[list[int]]:
         """Word-piece ids of each text (no special tokens, no cut)."""
-        missing = [t for t in dict.fromkeys(texts) if t not in self._cache]
+        missing = [t for t in dict.fromkeys(texts) if t not in self._cache and t not in self._stored]
         fresh = dict(zip(missing, self._tokenize(missing), strict=True))
-        return [self._cache[t] if t in self._cache else fresh[t] for t in texts]
+        return [self._piece(t, fresh) for t in texts]
 
     # ------------------------------------------------------------------------------ pieces -> rows
 
@@ -187,8 +214,19 @@ class DialogueTokenizer:
     def responses(self, responses: Sequence[str]) -> Batch:
         return self.batch_singles(self.response_bodies(responses))
 
-    def pairs(self, contexts: Sequence[Sequence[str]], responses: Sequence[str]) -> Batch:
-        """One row per (contexts[i], responses[i])."""
+    def pair_rows(
+        self, contexts: Sequence[Sequence[str]], responses: Sequence[str]
+    ) -> list[tuple[list[int], int]]:
+        """(row, where its response segment starts) per (contexts[i], responses[i]); each distinct
+        context is assembled once."""
+        if len(contexts) != len(responses):
+            raise ValueError("pairs() needs as many contexts as responses")
         unique = list(dict.fromkeys(tuple(c) for c in contexts))
         bodies = dict(zip(unique, self.context_bodies(unique), strict=True))
-        return self.batch_pairs([bodies[tuple(c)] for c in contexts], self.response_bodies(responses))
+        response_bodies = self.response_bodies(responses)
+        return [self.pair_row(bodies[tuple(c)], r) for c, r in zip(contexts, response_bodies, strict=True)]
+
+    def pairs(self, contexts: Sequence[Sequence[str]], responses: Sequence[str]) -> Batch:
+        """One row per (contexts[i], responses[i])."""
+        rows = self.pair_rows(contexts, responses)
+        return pad_rows([r for r, _ in rows], self.pad, [s for _, s in rows])

@@ -21,6 +21,7 @@ from coreply.bundle import (
     INDEX,
     MANIFEST,
     RESPONSES,
+    TOKENS,
     Bundle,
     apply_search_params,
     finish,
@@ -28,8 +29,9 @@ from coreply.bundle import (
     make_backend,
     pipeline,
     write_responses,
+    write_tokens,
 )
-from coreply.checkpoint import load_bi, load_checkpoint, read_meta, save_checkpoint
+from coreply.checkpoint import load_bi, load_checkpoint, load_dialogue_tokenizer, read_meta, save_checkpoint
 from coreply.config import ZERO_SHOT
 from coreply.corpus import Pair, build_pool
 from coreply.device import resolve_device
@@ -149,6 +151,8 @@ def build_bundle(
 
         faiss.write_index(index, str(tmp / INDEX))
         write_responses(tmp / RESPONSES, pool)
+        if cross_model is not None:  # requests then assemble rerank inputs from ids
+            write_tokens(tmp, cross_model.tokenizer.pieces(pool))
         manifest["encoder"] = f"onnx-{onnx}" if use_onnx else f"torch-{torch_device.type}"
         manifest["index"] = {
             "factory": factory,
@@ -198,10 +202,14 @@ def add_responses(path: str | Path, texts: Sequence[str], progress: bool = True)
 
     with staging(root) as tmp:
         for name in bundle.manifest["files"]:
-            if name not in (INDEX, RESPONSES, MANIFEST):
+            if name not in (INDEX, RESPONSES, MANIFEST) and not name.startswith(f"{TOKENS}/"):
                 link_or_copy(root / name, tmp / name)
         faiss.write_index(bundle.index, str(tmp / INDEX))
         write_responses(tmp / RESPONSES, [*bundle.texts, *new])
+        if bundle.tokens is not None:
+            ids, offsets = bundle.tokens
+            kept = [ids[offsets[i] : offsets[i + 1]].tolist() for i in range(len(bundle.texts))]
+            write_tokens(tmp, [*kept, *load_dialogue_tokenizer(root / "cross").pieces(new)])
         return finish(tmp, root, manifest)
 
 

@@ -5,6 +5,7 @@ import shutil
 
 import numpy as np
 import pytest
+import torch
 from conftest import toy_pool
 from tiny import WORDS
 
@@ -153,6 +154,46 @@ def test_add_appends_without_re_encoding(tmp_path, tiny_bundle, toy_pairs):
     fresh = make_backend(after).encode_responses(["another new one"])
     row = after.index.reconstruct(after.texts.index("another new one"))
     np.testing.assert_allclose(row, fresh[0], atol=5e-3)
+
+
+def test_responses_are_tokenised_once_at_build_and_assembled_like_the_tokenizer(tmp_path, tiny_bundle):
+    """The bundle stores the reranker's word pieces of every response; rerank inputs assembled from them
+    are exactly what tokenising the same pairs gives, and `add` stores the new responses' pieces."""
+    from coreply.checkpoint import load_dialogue_tokenizer
+
+    bundle = load_bundle(tiny_bundle)
+    assert bundle.tokens is not None
+    fresh = load_dialogue_tokenizer(tiny_bundle / "cross")  # tokenises everything itself
+    stored = make_backend(bundle).cross_tokenizer
+    calls = []
+    stored._tokenize = lambda texts: calls.append(list(texts)) or fresh._tokenize(texts)
+    contexts = ([["hello", "what is your favorite food ?"], [bundle.texts[3]]] * len(bundle.texts))[
+        : len(bundle.texts)
+    ]
+    want, got = fresh.pairs(contexts, bundle.texts), stored.pairs(contexts, bundle.texts)
+    for name in ("input_ids", "attention_mask", "token_type_ids"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert all(t not in bundle.texts for batch in calls for t in batch)  # only the new context turns
+    path = tmp_path / "b"
+    shutil.copytree(tiny_bundle, path)
+    add_responses(path, ["a reply nobody tokenised yet"], False)
+    after = load_bundle(path)
+    ids, offsets = after.tokens
+    assert len(offsets) == len(after.texts) + 1
+    assert ids[offsets[-2] : offsets[-1]].tolist() == fresh.pieces(["a reply nobody tokenised yet"])[0]
+
+
+def test_token_budget_scoring_gives_the_models_own_scores(tiny_bundle, toy_pairs):
+    """Rerank scores from id-assembled, token-budget chunks equal the cross-encoder's own scores."""
+    from coreply.checkpoint import load_checkpoint
+
+    backend = make_backend(load_bundle(tiny_bundle), "torch")
+    backend.max_batch_tokens = 64  # several small chunks
+    cross = load_checkpoint(tiny_bundle / "cross")
+    contexts, responses = [p.context for p in toy_pairs[:12]], [p.response for p in toy_pairs[5:17]]
+    np.testing.assert_allclose(
+        backend.score_pairs(contexts, responses), cross.score_pairs(contexts, responses).numpy(), atol=1e-5
+    )
 
 
 def test_onnx_matches_torch(tmp_path, tiny_core, toy_pairs):
