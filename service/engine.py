@@ -1,6 +1,6 @@
 """The request path: the bundle's :class:`~coreply.ranking.Pipeline` (recall, drop echoes and
-exclusions, rerank, fuse, order), its two model stages run on one inference thread through two
-micro-batchers (retrieval: encode + search; rerank: pairs)."""
+exclusions, rerank, fuse, order), its two model stages run through two micro-batchers (retrieval:
+encode + search; rerank: pairs), on one inference thread or, with ``overlap_stages``, one thread each."""
 
 from __future__ import annotations
 
@@ -50,18 +50,26 @@ class Engine:
             if settings.cascade
             else None
         )
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="coreply-infer")
+        # one inference thread for both stages, or one each (a batch is reranked while the next is
+        # encoded and searched): see Settings.overlap_stages
+        retrieve_on = ThreadPoolExecutor(1, thread_name_prefix="coreply-retrieve")
+        rerank_on = (
+            ThreadPoolExecutor(1, thread_name_prefix="coreply-rerank")
+            if settings.overlap_stages
+            else retrieve_on
+        )
+        self.executors = {retrieve_on, rerank_on}
         wait = settings.batch_wait_ms / 1000
         self.retriever = MicroBatcher(
             "retrieve",
             self._retrieve_batch,
-            self.executor,
+            retrieve_on,
             settings.batch_max_contexts,
             wait,
             settings.queue_max,
         )
         self.reranker = MicroBatcher(
-            "rerank", self._rerank_batch, self.executor, settings.batch_max_pairs, wait, settings.queue_max
+            "rerank", self._rerank_batch, rerank_on, settings.batch_max_pairs, wait, settings.queue_max
         )
 
     # ----------------------------------------------------------------- batch functions (inference thread)
@@ -87,7 +95,8 @@ class Engine:
     async def stop(self) -> None:
         await self.retriever.stop()
         await self.reranker.stop()
-        self.executor.shutdown(wait=True)
+        for executor in self.executors:
+            executor.shutdown(wait=True)
 
     async def retire(self, timeout_s: float) -> None:
         """Stop once the requests already using this engine are done (at most ``timeout_s``)."""

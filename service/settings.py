@@ -39,6 +39,11 @@ class Settings(BaseSettings):
         0.0, ge=0, le=100, description="longest wait for more work (0: batch what queued up meanwhile)"
     )
     queue_max: int = Field(256, ge=1, description="requests waiting per stage before 503")
+    overlap_stages: bool = Field(
+        True,
+        description="retrieval and reranking on a thread each, so one batch is encoded and searched while "
+        "another is reranked (off: one inference thread for both; docs/performance.md §7)",
+    )
     request_timeout_ms: int = Field(
         0, ge=0, le=600_000, description="deadline per request unless X-Request-Timeout-Ms says; 0 = none"
     )

@@ -102,6 +102,21 @@ def test_service_and_evaluation_rank_identically(client, tiny_bundle):
         assert served == evaluated, fusion
 
 
+def test_overlapping_stages_answer_concurrent_requests_like_one_thread(tiny_bundle):
+    """With a thread per stage (the default) concurrent requests get the answers of one thread."""
+    contexts = [["hello", q] for q, _ in TOPICS.values()] * 3
+    body = lambda c: {"context": c, "top_k": 5, "n_candidates": 6, "fusion": "sum"}  # noqa: E731
+    one = Settings(bundle=tiny_bundle, threads=1, overlap_stages=False, **LIMITS)
+    with TestClient(create_app(one)) as single:
+        want = [[r["id"] for r in post(single, **body(c)).json()["responses"]] for c in contexts]
+    settings = Settings(bundle=tiny_bundle, threads=1, **LIMITS)
+    with TestClient(create_app(settings)) as overlapped, ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda c: overlapped.post("/respond", json=body(c)).json(), contexts))
+        names = {t.name.split("_")[0] for t in threading.enumerate()}
+    assert [[r["id"] for r in a["responses"]] for a in answers] == want
+    assert {"coreply-retrieve", "coreply-rerank"} <= names
+
+
 def test_echoes_are_never_returned(client):
     _, answer = TOPICS["food"]
     for fusion in ("retrieval", "sum"):
