@@ -327,6 +327,8 @@ def _serve_parser(sub) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
     from coreply.bundle import MANIFEST
     from service.server import serve
     from service.settings import DEFAULT_BUNDLE, Settings
@@ -336,7 +338,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         for k in ("bundle", "host", "port", "backend", "threads", "device")
         if getattr(args, k) is not None
     }
-    settings = Settings(**overrides)
+    try:
+        settings = Settings(**overrides)
+    except ValidationError as exc:  # one line naming the setting, not pydantic's report
+        first = exc.errors()[0]
+        name = f"COREPLY_{str(first['loc'][0]).upper()}" if first["loc"] else "the settings"
+        raise CliError(f"{name}: {first['msg']}") from None
     if settings.bundle == DEFAULT_BUNDLE:
         from index_builder.default import ensure_default_bundle
 

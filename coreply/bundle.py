@@ -32,7 +32,6 @@ from coreply.artifacts import read_sealed, seal
 from coreply.checkpoint import CheckpointError, read_meta
 from coreply.ranking import ZSCORE_WEIGHT, Hits, Pipeline
 from coreply.text import normalize
-from coreply.tokenization import flat_pieces
 
 FORMAT = "coreply-bundle/1"
 MANIFEST = "manifest.json"
@@ -67,9 +66,8 @@ def read_responses(path: Path) -> list[str]:
     return texts
 
 
-def write_tokens(root: Path, pieces: Sequence[Sequence[int]]) -> None:
-    """``root/tokens/``: the responses' word-piece ids, in id order (see :func:`flat_pieces`)."""
-    ids, offsets = flat_pieces(pieces)
+def write_tokens(root: Path, ids: np.ndarray, offsets: np.ndarray) -> None:
+    """``root/tokens/``: the responses' word-piece ids and offsets, in id order (:func:`flat_pieces`)."""
     (root / TOKENS).mkdir(exist_ok=True)
     np.save(root / TOKENS / "ids.npy", ids)
     np.save(root / TOKENS / "offsets.npy", offsets)

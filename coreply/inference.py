@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -20,7 +20,7 @@ from torch import nn
 
 from coreply.device import autocast
 from coreply.models import BiEncoder, CrossEncoder, PolyEncoder, batched
-from coreply.tokenization import Batch, DialogueTokenizer, pad_rows, token_budget_chunks
+from coreply.tokenization import Batch, DialogueTokenizer, score_by_tokens
 
 ONNX_FILES = {"context": "context.onnx", "response": "response.onnx", "cross": "cross.onnx"}
 PRECISIONS = ("fp32", "int8")
@@ -71,32 +71,10 @@ class TorchBackend:
             return self.bi.embed_responses(responses, 2 * self.batch_size).numpy()
 
     def score_pairs(self, contexts: Sequence[Sequence[str]], responses: Sequence[str]) -> np.ndarray:
-        cross = self.cross
-        if cross is None:
+        if self.cross is None:
             raise RuntimeError("this bundle has no reranker")
-
-        def run(batch: Batch) -> np.ndarray:
-            return cross(batch.to(cross.device)).float().cpu().numpy()
-
-        with autocast(cross.device), torch.inference_mode():
-            return score_by_tokens(cross.tokenizer, contexts, responses, self.max_batch_tokens, run)
-
-
-def score_by_tokens(
-    tok: DialogueTokenizer,
-    contexts: Sequence[Sequence[str]],
-    responses: Sequence[str],
-    max_tokens: int,
-    run: Callable[[Batch], np.ndarray],
-) -> np.ndarray:
-    """Pair scores [N] in input order: rows assembled from ids (stored responses are not tokenised
-    again), length-sorted, and run in chunks of at most ``max_tokens`` padded tokens."""
-    rows = tok.pair_rows(contexts, responses)
-    out = np.empty(len(rows), dtype="float32")
-    for chunk in token_budget_chunks([len(r) for r, _ in rows], max_tokens):
-        batch = pad_rows([rows[i][0] for i in chunk], tok.pad, [rows[i][1] for i in chunk])
-        out[chunk] = run(batch)
-    return out
+        with autocast(self.cross.device):
+            return self.cross.score_pairs(contexts, responses, self.max_batch_tokens).numpy()
 
 
 # ------------------------------------------------------------------------------------------- export
@@ -237,17 +215,19 @@ class OnnxBackend:
         feeds = {i.name: getattr(batch, i.name).numpy() for i in session.get_inputs()}
         return torch.from_numpy(session.run(None, feeds)[0])
 
-    def encode_context_codes(self, contexts: Sequence[Sequence[str]]) -> np.ndarray:
-        if not self.poly_codes:
-            raise RuntimeError("this bundle's retriever is not a Poly-encoder")
+    def _context_graph(self, contexts: Sequence[Sequence[str]]) -> np.ndarray:
+        """[N, D], or a Poly-encoder's [N, 1 + m, D] (the pooled vector first, then the codes)."""
         tok = self.bi_tokenizer
         return batched(contexts, self.batch_size, lambda c: self._run(self.context, tok.contexts(c))).numpy()
 
+    def encode_context_codes(self, contexts: Sequence[Sequence[str]]) -> np.ndarray:
+        if not self.poly_codes:
+            raise RuntimeError("this bundle's retriever is not a Poly-encoder")
+        return self._context_graph(contexts)
+
     def encode_contexts(self, contexts: Sequence[Sequence[str]]) -> np.ndarray:
-        if self.poly_codes:  # the graph gives the pooled vector first, then the codes
-            return np.ascontiguousarray(self.encode_context_codes(contexts)[:, 0])
-        tok = self.bi_tokenizer
-        return batched(contexts, self.batch_size, lambda c: self._run(self.context, tok.contexts(c))).numpy()
+        out = self._context_graph(contexts)
+        return np.ascontiguousarray(out[:, 0]) if self.poly_codes else out
 
     def encode_responses(self, responses: Sequence[str]) -> np.ndarray:
         tok = self.bi_tokenizer

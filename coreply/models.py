@@ -23,7 +23,7 @@ from transformers import AutoConfig, AutoModel, AutoTokenizer, PreTrainedModel, 
 from transformers.utils import logging as hf_logging
 
 from coreply.config import ModelConfig
-from coreply.tokenization import Batch, DialogueTokenizer
+from coreply.tokenization import Batch, DialogueTokenizer, score_by_tokens
 
 hf_logging.set_verbosity_error()
 hf_logging.disable_progress_bar()
@@ -214,9 +214,8 @@ def poly_scores(codes: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
     (shared by every context) -> [B, M]. Each candidate attends over the m vectors with weights
     softmax(cand . y_i) and scores the attended vector: sum_i w_i (y_i . cand)."""
     if responses.dim() == 2:
-        logits = torch.einsum("bmd,nd->bnm", codes, responses)  # [B, M, m]
-    else:
-        logits = torch.einsum("bmd,bnd->bnm", codes, responses)  # [B, M, m]
+        responses = responses.expand(codes.shape[0], -1, -1)  # a view, no copy
+    logits = torch.einsum("bmd,bnd->bnm", codes, responses)  # [B, M, m]
     return (torch.softmax(logits, dim=-1) * logits).sum(-1)
 
 
@@ -313,17 +312,12 @@ class CrossEncoder(_Encoder):
 
     @torch.inference_mode()
     def score_pairs(
-        self, contexts: Sequence[Sequence[str]], responses: Sequence[str], batch_size: int = 64
+        self, contexts: Sequence[Sequence[str]], responses: Sequence[str], max_tokens: int = 4096
     ) -> torch.Tensor:
-        """Score (contexts[i], responses[i]) for many pairs (float32, on CPU): [N]."""
-        items = list(zip(contexts, responses, strict=True))
-        return batched(
-            items,
-            batch_size,
-            lambda chunk: self(
-                self.tokenizer.pairs([c for c, _ in chunk], [r for _, r in chunk]).to(self.device)
-            ),
-        )
+        """Score (contexts[i], responses[i]) for many pairs (float32, on CPU): [N], in length-sorted
+        chunks of at most ``max_tokens`` padded tokens."""
+        run = lambda batch: self(batch.to(self.device)).float().cpu().numpy()  # noqa: E731
+        return torch.from_numpy(score_by_tokens(self.tokenizer, contexts, responses, max_tokens, run))
 
 
 def batched(items: Sequence[Any], batch_size: int, run) -> torch.Tensor:

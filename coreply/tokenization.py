@@ -13,7 +13,7 @@ Two layers, so that text is tokenised once and inputs are assembled from token i
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -230,3 +230,20 @@ class DialogueTokenizer:
         """One row per (contexts[i], responses[i])."""
         rows = self.pair_rows(contexts, responses)
         return pad_rows([r for r, _ in rows], self.pad, [s for _, s in rows])
+
+
+def score_by_tokens(
+    tok: DialogueTokenizer,
+    contexts: Sequence[Sequence[str]],
+    responses: Sequence[str],
+    max_tokens: int,
+    run: Callable[[Batch], np.ndarray],
+) -> np.ndarray:
+    """Pair scores [N] (float32) in input order: rows assembled from ids (stored responses are not
+    tokenised again), length-sorted, and ``run`` on chunks of at most ``max_tokens`` padded tokens."""
+    rows = tok.pair_rows(contexts, responses)
+    out = np.empty(len(rows), dtype="float32")
+    for chunk in token_budget_chunks([len(r) for r, _ in rows], max_tokens):
+        batch = pad_rows([rows[i][0] for i in chunk], tok.pad, [rows[i][1] for i in chunk])
+        out[chunk] = run(batch)
+    return out

@@ -38,6 +38,7 @@ from coreply.device import resolve_device
 from coreply.inference import Backend, export_onnx
 from coreply.ranking import Pipeline
 from coreply.text import normalize
+from coreply.tokenization import flat_pieces
 from evaluation.protocols import choose_zscore_weight, retrieve_and_rerank
 from index_builder.faiss_index import EXACT, make_index, recall_vs_exact
 
@@ -152,7 +153,7 @@ def build_bundle(
         faiss.write_index(index, str(tmp / INDEX))
         write_responses(tmp / RESPONSES, pool)
         if cross_model is not None:  # requests then assemble rerank inputs from ids
-            write_tokens(tmp, cross_model.tokenizer.pieces(pool))
+            write_tokens(tmp, *flat_pieces(cross_model.tokenizer.pieces(pool)))
         manifest["encoder"] = f"onnx-{onnx}" if use_onnx else f"torch-{torch_device.type}"
         manifest["index"] = {
             "factory": factory,
@@ -206,10 +207,12 @@ def add_responses(path: str | Path, texts: Sequence[str], progress: bool = True)
                 link_or_copy(root / name, tmp / name)
         faiss.write_index(bundle.index, str(tmp / INDEX))
         write_responses(tmp / RESPONSES, [*bundle.texts, *new])
-        if bundle.tokens is not None:
+        if bundle.tokens is not None:  # the stored ids, then the new responses'
             ids, offsets = bundle.tokens
-            kept = [ids[offsets[i] : offsets[i + 1]].tolist() for i in range(len(bundle.texts))]
-            write_tokens(tmp, [*kept, *load_dialogue_tokenizer(root / "cross").pieces(new)])
+            new_ids, new_offsets = flat_pieces(load_dialogue_tokenizer(root / "cross").pieces(new))
+            write_tokens(
+                tmp, np.concatenate([ids, new_ids]), np.concatenate([offsets, offsets[-1] + new_offsets[1:]])
+            )
         return finish(tmp, root, manifest)
 
 

@@ -349,14 +349,16 @@ class Trainer:
         pooled = ctx[:, 0] if codes is not None else ctx  # [B, D]
         own_bi = torch.einsum("bd,bnd->bn", pooled, resp)  # [B, N]
         own = poly_scores(codes, resp) if codes is not None else own_bi  # [B, N]
-        if not self.cfg.in_batch:
+        if self.cfg.in_batch:  # every list's candidates are negatives for every context
+            flat = resp.reshape(-1, resp.shape[-1])  # [B*N, D]
+            targets = torch.arange(b, device=ctx.device) * n
+            ce = listwise_ce(pooled @ flat.T, targets)  # over [B, B*N]
+            if codes is not None:
+                ce = ce + listwise_ce(poly_scores(codes, flat), targets)
+        else:
             ce = listwise_ce(own_bi)
-            return own, ce + listwise_ce(own) if codes is not None else ce
-        flat = resp.reshape(-1, resp.shape[-1])  # [B*N, D]
-        targets = torch.arange(b, device=ctx.device) * n
-        ce = listwise_ce(pooled @ flat.T, targets)  # over [B, B*N]
-        if codes is not None:
-            ce = ce + listwise_ce(poly_scores(codes, flat), targets)
+            if codes is not None:
+                ce = ce + listwise_ce(own)
         return own, ce
 
     def _cross_scores(self, model, chunks: Chunks, lists: Sequence[Sequence[str]]) -> torch.Tensor:

@@ -143,6 +143,10 @@ def test_user_errors_are_one_line_messages_with_exit_code_2(tmp_path, tiny_model
     result = coreply("serve", "--bundle", str(tmp_path / "missing"))
     assert result.returncode == 2 and "no bundle at" in result.stderr
 
+    result = coreply("serve", "--bundle", str(tmp_path), "--port", "70000")  # a setting out of range
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+    assert "COREPLY_PORT: Input should be less than or equal to 65535" in result.stderr
+
     result = coreply("index", "verify", str(tmp_path))
     assert result.returncode == 2 and "not a coreply bundle" in result.stderr
 
