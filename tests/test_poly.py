@@ -137,11 +137,11 @@ def test_poly_bundle_serves_the_poly_stage_and_ranks_like_the_evaluation(poly_bu
     np.testing.assert_allclose(  # the int8 ONNX graph gives the pooled vector and codes like the model
         onnx_backend.encode_context_codes(contexts), torch_backend.encode_context_codes(contexts), atol=0.1
     )
-    ranking = pipeline(bundle, onnx_backend)
+    ranking = pipeline(bundle, torch_backend)  # fp32: the service answers one at a time, this batches
     assert ranking.reranker == "poly"
     weight = bundle.manifest["fusion"]["zscore_weight"]
     got = retrieve_and_rerank([Pair(tuple(c), "") for c in contexts], ranking, 5, 5)
-    with TestClient(create_app(Settings(bundle=poly_bundle, threads=1, backend="onnx"))) as client:
+    with TestClient(create_app(Settings(bundle=poly_bundle, threads=1, backend="torch"))) as client:
         ready = client.get("/readyz").json()
         assert ready["reranker"] == "poly"
         for fusion in ("rerank", "zscore"):
