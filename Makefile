@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install serve test test-full lint soak results-cpu results-gpu clean
+.PHONY: install serve test test-full lint containers soak results-cpu results-gpu clean
 
 # The pinned CPU torch goes in first: an unpinned torch would pull several GB of CUDA packages.
 $(STAMP): pyproject.toml
@@ -38,6 +38,11 @@ lint: install
 	promtool check config docker/prometheus/prometheus.yml
 	promtool check rules docker/prometheus/alerts.yml
 	$(BIN)/kubernetes-validate --strict --quiet deploy/*.yaml
+
+# The images built and run for real with podman (as root: installs podman, runc and debootstrap, makes a local
+# Debian base): CPU image served, scraped and drained; GPU image with a CPU torch; compose with Prometheus.
+containers: install
+	bash scripts/containers.sh
 
 # One hour of steady load on the default bundle: memory growth and latency drift (docs/reliability.md).
 soak: install

@@ -1,9 +1,15 @@
 from __future__ import annotations
 
+import asyncio
 import os
+import socket
+import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -85,3 +91,58 @@ def tiny_bundle(tmp_path_factory, tiny_core, toy_pairs) -> Path:
         progress=False,
     )
     return out
+
+
+# ---------------------------------------------------------------------------- real servers
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(url: str, process: subprocess.Popen | None = None, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"process exited with {process.returncode}")
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(url)
+
+
+def check_drain_under_load(base: str, body: dict, terminate: Callable[[], None], requests: int = 64) -> None:
+    """``requests`` concurrent POST /respond; ``terminate()`` (a SIGTERM) once the first is answered. Every
+    request is then either answered 200 or refused before admission, and some 200s finished after the
+    signal (they really were in flight)."""
+    outcomes: list[tuple[str, float]] = []
+
+    async def one(client: httpx.AsyncClient) -> None:
+        try:
+            r = await client.post(base + "/respond", json=body)
+            outcomes.append(("ok" if r.status_code == 200 else f"http {r.status_code}", time.monotonic()))
+        except httpx.ConnectError:
+            outcomes.append(("refused", time.monotonic()))
+        except httpx.HTTPError as exc:
+            outcomes.append((f"failed after admission: {exc!r}", time.monotonic()))
+
+    async def load_then_terminate() -> float:
+        limits = httpx.Limits(max_connections=requests, max_keepalive_connections=0)
+        async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+            tasks = [asyncio.create_task(one(client)) for _ in range(requests)]
+            while not outcomes:  # requests are flowing; most are still queued
+                await asyncio.sleep(0.005)
+            terminate()
+            sent = time.monotonic()
+            await asyncio.gather(*tasks)
+        return sent
+
+    sent = asyncio.run(load_then_terminate())
+    kinds = [kind for kind, _ in outcomes]
+    assert set(kinds) <= {"ok", "refused"}, [k for k in kinds if k not in ("ok", "refused")]
+    assert sum(1 for kind, at in outcomes if kind == "ok" and at > sent) > 0

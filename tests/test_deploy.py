@@ -108,7 +108,7 @@ def test_compose_scrapes_the_coreply_service_on_its_port():
     targets = [t for job in scrape["scrape_configs"] for s in job["static_configs"] for t in s["targets"]]
     assert targets == ["coreply:8000"]
     coreply = compose["services"]["coreply"]
-    assert "8000:8000" in coreply["ports"]
+    assert "${COREPLY_HOST_PORT:-8000}:8000" in coreply["ports"]
     assert all(v.endswith(":ro") for v in coreply["volumes"]) and coreply["read_only"] is True
 
 
