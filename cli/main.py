@@ -1,4 +1,5 @@
-"""The ``coreply`` command: ``train``, ``eval``, ``report``, ``index`` (build / add / verify), ``serve``.
+"""The ``coreply`` command: ``train``, ``eval``, ``report``, ``index`` (build / add / info / verify),
+``serve``, ``chat``.
 
 Heavy modules are imported inside each subcommand so ``coreply --help`` stays instant."""
 
@@ -6,10 +7,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import shlex
 import sys
 from collections.abc import Sequence
-from dataclasses import fields
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +25,22 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 class CliError(Exception):
     """A user error: printed as one line, exit code 2."""
+
+
+DEFAULTS_SHOWN = {"formatter_class": argparse.ArgumentDefaultsHelpFormatter}
+
+
+def at_least(low: int):
+    """An argparse type: an int >= ``low`` (argparse names the flag in its one-line error)."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    parse.__name__ = "int"
+    return parse
 
 
 def _load_data(spec: str, max_turns: int) -> dict[str, list]:
@@ -39,23 +58,41 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--base-model", default="default", help="'default' (all-MiniLM-L6-v2 from PyPI) or a local HF dir"
     )
-    g.add_argument("--pooling", choices=["cls", "mean"], default="mean")
-    g.add_argument("--projection-dim", type=int, default=None)
-    g.add_argument("--share-towers", action="store_true")
+    g.add_argument("--pooling", choices=["cls", "mean"], default="mean", help="how token vectors become one")
+    g.add_argument(
+        "--projection-dim",
+        type=at_least(1),
+        default=None,
+        help="linear projection after pooling (bi-encoder)",
+    )
+    g.add_argument("--share-towers", action="store_true", help="one encoder for context and response")
     g.add_argument("--normalize", action="store_true", help="L2-normalise embeddings (cosine scores)")
     g.add_argument(
         "--score-scale", type=float, default=ModelConfig.score_scale, help="bi-encoder scores = scale * dot"
     )
-    g.add_argument("--max-context-tokens", type=int, default=ModelConfig.max_context_tokens)
-    g.add_argument("--max-response-tokens", type=int, default=ModelConfig.max_response_tokens)
-    g.add_argument("--max-turns", type=int, default=ModelConfig.max_turns)
-    g.add_argument("--dropout", type=float, default=ModelConfig.dropout)
     g.add_argument(
-        "--num-layers", type=int, default=None, help="keep the base model's first k layers (default: all)"
+        "--max-context-tokens",
+        type=at_least(4),
+        default=ModelConfig.max_context_tokens,
+        help="context tokens kept (the latest)",
+    )
+    g.add_argument(
+        "--max-response-tokens",
+        type=at_least(3),
+        default=ModelConfig.max_response_tokens,
+        help="response tokens kept",
+    )
+    g.add_argument("--max-turns", type=at_least(1), default=ModelConfig.max_turns, help="context turns kept")
+    g.add_argument("--dropout", type=float, default=ModelConfig.dropout, help="dropout while training")
+    g.add_argument(
+        "--num-layers",
+        type=at_least(1),
+        default=None,
+        help="keep the base model's first k layers (default: all)",
     )
     g.add_argument(
         "--poly-codes",
-        type=int,
+        type=at_least(0),
         default=0,
         metavar="M",
         help="train the retriever as a Poly-encoder with M learnt context codes (its poly stage then "
@@ -81,13 +118,26 @@ def _model_config(args: argparse.Namespace) -> ModelConfig:
 
 
 def _train_parser(sub) -> None:
-    from training.config import MODES, TrainConfig
+    from training.config import HELP, MODES, TrainConfig
 
-    p = sub.add_parser("train", help="train the retriever and/or reranker (modes: " + ", ".join(MODES) + ")")
-    p.add_argument("--mode", choices=MODES, default="core")
+    p = sub.add_parser(
+        "train",
+        help="train the retriever and/or reranker (modes: " + ", ".join(MODES) + ")",
+        **DEFAULTS_SHOWN,
+    )
+    p.add_argument(
+        "--mode",
+        choices=MODES,
+        default="core",
+        help="core: both models, each also learning from the other; independent: each alone; distill: a "
+        "trained reranker teaches; mutual: the precursor's alternating updates",
+    )
     p.add_argument("--data", default="chitchat", help="'chitchat' (built-in) or a .jsonl/.csv/.json file")
     p.add_argument("--valid-data", default=None, help="validation file (default: the corpus's valid split)")
-    p.add_argument("--output-dir", "-o", required=True)
+    p.add_argument("--output-dir", "-o", required=True, help="run directory (checkpoints bi/ and cross/)")
+    again = p.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true", help="continue the run already in --output-dir")
+    again.add_argument("--overwrite", action="store_true", help="delete the run in --output-dir, start anew")
     _add_model_args(p)
     skip = {"mode", "output_dir", "model"}
     for f in fields(TrainConfig):
@@ -95,29 +145,32 @@ def _train_parser(sub) -> None:
             continue
         flag = "--" + f.name.replace("_", "-")
         default = f.default
+        help_ = HELP[f.name]
         if isinstance(default, bool):
-            p.add_argument(
-                flag, action=argparse.BooleanOptionalAction if default else "store_true", default=default
-            )
+            action = argparse.BooleanOptionalAction if default else "store_true"
+            p.add_argument(flag, action=action, default=default, help=help_)
         elif f.name == "models":
-            p.add_argument(flag, choices=["both", "bi", "cross"], default=default)
+            p.add_argument(flag, choices=["both", "bi", "cross"], default=default, help=help_)
         else:
             kind = {int: int, float: float}.get(type(default), str)
             if f.name == "max_steps":
                 kind = int
-            p.add_argument(flag, type=kind, default=default)
+            p.add_argument(flag, type=kind, default=default, help=help_)
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from coreply.corpus import build_pool
+    from coreply.device import resolve_device
     from coreply.readers import read_pairs
     from training.config import TrainConfig
     from training.trainer import Trainer
 
     values = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if f.name not in {"model"}}
     config = TrainConfig(**values, model=_model_config(args))
+    resolve_device(config.device)
+    _prepare_run_dir(Path(config.output_dir), config, args.resume, args.overwrite)
     splits = _load_data(args.data, config.model.max_turns)
     valid = read_pairs(args.valid_data) if args.valid_data else splits.get("valid", [])
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
@@ -134,25 +187,86 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prepare_run_dir(out: Path, config: Any, resume: bool, overwrite: bool) -> None:
+    """A run directory holds one run: continuing it needs ``--resume`` (and the same recipe), starting
+    again ``--overwrite``; without either, an existing run is refused."""
+    import shutil
+
+    from training.config import RESUMABLE
+
+    saved_path = out / "train_config.json"
+    if not saved_path.is_file():
+        if resume:
+            raise CliError(f"--resume: no run in {out} (no train_config.json); drop --resume to start one")
+        return
+    if overwrite:
+        for name in ("bi", "cross", "state", "metrics.jsonl", "summary.json", "train_config.json"):
+            path = out / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+        return
+    if not resume:
+        raise CliError(
+            f"{out} already holds a run; pass --resume to continue it or --overwrite to start again"
+        )
+    try:
+        saved = json.loads(saved_path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CliError(f"--resume: cannot read {saved_path} ({exc}); use --overwrite") from None
+    new = json.loads(json.dumps(asdict(config)))
+    changed = sorted(k for k in new if k not in RESUMABLE and saved.get(k) != new[k])
+    if changed:
+        flags = ", ".join("--" + k.replace("_", "-") for k in changed)
+        raise CliError(f"--resume: {flags} differ from the run in {out}; keep its values or --overwrite")
+
+
 def _eval_parser(sub) -> None:
-    p = sub.add_parser("eval", help="evaluate on protocol A (1-of-100) and B (full pool)")
+    p = sub.add_parser("eval", help="evaluate on protocol A (1-of-N) and B (full pool)", **DEFAULTS_SHOWN)
     p.add_argument("--bi", default=None, help="bi-encoder checkpoint dir, or 'zero-shot'")
     p.add_argument("--cross", default=None, help="cross-encoder checkpoint dir")
-    p.add_argument("--name", default=None)
-    p.add_argument("--data", default="chitchat")
-    p.add_argument("--split", default="test")
-    p.add_argument("--limit", type=int, default=2000, help="first N test pairs (0 = all)")
+    p.add_argument("--name", default=None, help="system name in the report (default: the --out file's stem)")
     p.add_argument(
-        "--valid-limit", type=int, default=500, help="validation pairs for choosing the z-score weight"
+        "--data",
+        default="chitchat",
+        help="'chitchat' (built-in), or a pairs file whose every pair is a test case",
     )
-    p.add_argument("--protocol", nargs="+", choices=["A", "B"], default=["A", "B"])
-    p.add_argument("--retriever", nargs="+", choices=["bi", "bm25"], default=["bi"])
-    p.add_argument("--n-r", nargs="+", type=int, default=[10, 50, 100, 200])
-    p.add_argument("--candidates", type=int, default=100, help="protocol A list size")
-    p.add_argument("--pool-limit", type=int, default=None, help="reduced pool: test golds + a seeded sample")
-    p.add_argument("--max-turns", type=int, default=ModelConfig.max_turns)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto")
+    p.add_argument(
+        "--split", default="test", help="the built-in corpus's split to test on (train, valid, test)"
+    )
+    p.add_argument(
+        "--valid-data", default=None, help="pairs file for the z-score weight (default: valid split)"
+    )
+    p.add_argument(
+        "--pool",
+        default=None,
+        help="a .txt / .jsonl pool file: protocol B's pool and protocol A's negatives (default: every "
+        "response of --data)",
+    )
+    p.add_argument("--limit", type=at_least(0), default=2000, help="first N test pairs (0 = all)")
+    p.add_argument(
+        "--valid-limit",
+        type=at_least(0),
+        default=500,
+        help="validation pairs for choosing the z-score weight",
+    )
+    p.add_argument("--protocol", nargs="+", choices=["A", "B"], default=["A", "B"], help="protocols to run")
+    p.add_argument(
+        "--retriever", nargs="+", choices=["bi", "bm25"], default=["bi"], help="first stages for protocol B"
+    )
+    p.add_argument(
+        "--n-r", nargs="+", type=at_least(1), default=[10, 50, 100, 200], help="candidates reranked (sweep)"
+    )
+    p.add_argument(
+        "--candidates",
+        type=at_least(2),
+        default=100,
+        help="protocol A list size (gold + negatives); capped, with a message, at what the pool has",
+    )
+    p.add_argument(
+        "--pool-limit", type=at_least(1), default=None, help="reduced pool: test golds + a seeded sample"
+    )
+    p.add_argument("--max-turns", type=at_least(1), default=ModelConfig.max_turns, help="context turns kept")
+    p.add_argument("--seed", type=int, default=0, help="seed of protocol A's negatives and the pool sample")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument(
         "--judge",
         default=ZERO_SHOT,
@@ -166,33 +280,47 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from coreply.checkpoint import read_meta
     from coreply.corpus import responses_of
     from coreply.device import resolve_device
+    from coreply.readers import read_pairs, read_pool
     from evaluation.report import EvalSpec, pool_for_eval, run_eval
 
     if not args.bi and not args.cross and "bm25" not in args.retriever:
         raise CliError("eval: give --bi, --cross or --retriever bm25")
+    device = str(resolve_device(args.device))
     for path in (args.bi, args.cross, args.judge if args.judge != "none" else None):  # fail fast
         if path and path != ZERO_SHOT:
             read_meta(path)
-    splits = _load_data(args.data, args.max_turns)
-    if args.split not in splits:
-        raise CliError(f"eval: split {args.split!r} not in the data (has {sorted(splits)})")
-    test = splits[args.split][: args.limit or None]
-    negatives = [p.response for p in splits[args.split]]
-    valid = splits.get("valid", [])[: args.valid_limit]
+    if args.data == "chitchat":
+        splits = _load_data(args.data, args.max_turns)
+        if args.split not in splits:
+            raise CliError(f"--split {args.split!r}: the built-in corpus has {sorted(splits)}")
+        cases = splits[args.split]
+    else:  # a team's own test file: every pair is a test case
+        cases = read_pairs(args.data)
+        splits = {"test": cases}
+    valid = read_pairs(args.valid_data) if args.valid_data else splits.get("valid", [])
+    pool = read_pool(args.pool)[0] if args.pool else None
+    test = cases[: args.limit or None]
+    if pool is not None:
+        from coreply.text import normalize
+
+        keys = {normalize(t) for t in pool}
+        missing = sum(normalize(p.response) not in keys for p in test)
+        if missing:
+            print(f"note: {missing} of {len(test)} test golds are not in {args.pool} (B cannot find them)")
     spec = EvalSpec(
         name=args.name or Path(args.out).stem,
         bi=args.bi,
         cross=args.cross,
         test=test,
-        valid=valid,
-        pool=pool_for_eval(responses_of(splits), test, args.pool_limit, args.seed),
-        negatives=negatives,
+        valid=valid[: args.valid_limit],
+        pool=pool_for_eval(pool or responses_of(splits), test, args.pool_limit, args.seed),
+        negatives=pool or [p.response for p in cases],
         protocols=tuple(args.protocol),
         retrievers=tuple(args.retriever),
         n_r=tuple(args.n_r),
         candidates=args.candidates,
         seed=args.seed,
-        device=str(resolve_device(args.device)),
+        device=device,
         judge=None if args.judge == "none" else args.judge,
     )
     result = run_eval(spec)
@@ -241,7 +369,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _index_parser(sub) -> None:
-    p = sub.add_parser("index", help="build, extend or verify a serving bundle")
+    p = sub.add_parser("index", help="build, extend, describe or verify a serving bundle")
     isub = p.add_subparsers(dest="index_command", required=True)
     b = isub.add_parser(
         "build", help="encode a response pool into a bundle (models + FAISS index + manifest)"
@@ -250,22 +378,48 @@ def _index_parser(sub) -> None:
     b.add_argument("--bi", default=ZERO_SHOT, help="bi-encoder checkpoint dir, or 'zero-shot' (default)")
     b.add_argument("--cross", default=None, help="cross-encoder checkpoint dir (none: retrieval only)")
     b.add_argument("--pool", default="chitchat", help="'chitchat' (built-in) or a .txt / .jsonl pool file")
-    b.add_argument("--queries", default=None, help="pairs file whose contexts measure ANN recall")
+    b.add_argument(
+        "--queries",
+        default=None,
+        help="pairs file: its contexts measure ANN recall, its pairs calibrate the z-score weight (with "
+        "--cross); default: the built-in valid split for the chitchat pool, none for a file",
+    )
     b.add_argument("--factory", default="Flat", help="FAISS factory string, e.g. Flat, IVF1024,Flat, HNSW32")
     b.add_argument("--search-params", default="", help="e.g. nprobe=16 or efSearch=128")
-    b.add_argument("--onnx", choices=["int8", "fp32", "none"], default="int8")
-    b.add_argument("--calibrate", type=int, default=200, help="valid pairs for the z-score weight (chitchat)")
-    b.add_argument("--device", default="auto")
+    b.add_argument(
+        "--onnx", choices=["int8", "fp32", "none"], default="int8", help="ONNX export for CPU serving"
+    )
+    b.add_argument(
+        "--calibrate",
+        type=at_least(0),
+        default=200,
+        help="pairs (of --queries) that choose the z-score weight",
+    )
+    b.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     a = isub.add_parser("add", help="append responses to a bundle without re-encoding the others")
     a.add_argument("bundle")
     a.add_argument("pool", help=".txt (one per line) or .jsonl ({'text': ...}) file")
     v = isub.add_parser("verify", help="check a bundle's hashes, counts and model ties")
     v.add_argument("bundle")
+    i = isub.add_parser("info", help="what a bundle holds: pool, index, models, fusion, sizes, build command")
+    i.add_argument("bundle")
+    i.add_argument("--json", action="store_true", help="print the manifest instead")
 
 
 def _cmd_index(args: argparse.Namespace) -> int:
+    from coreply.device import resolve_device
     from coreply.readers import read_pairs, read_pool
 
+    if args.index_command == "info":
+        from coreply.bundle import read_manifest
+        from index_builder.info import describe
+
+        if args.json:
+            print(json.dumps(read_manifest(Path(args.bundle)), indent=2))
+        else:
+            for label, value in describe(args.bundle):
+                print(f"{label:<10} {value}")
+        return 0
     if args.index_command == "verify":
         from index_builder.build import verify_bundle
 
@@ -274,24 +428,34 @@ def _cmd_index(args: argparse.Namespace) -> int:
         print(f"{args.bundle}: ok (version {manifest['bundle_version']}, {count} responses)")
         return 0
     if args.index_command == "add":
+        from coreply.bundle import read_manifest
         from index_builder.build import add_responses
 
-        manifest = add_responses(args.bundle, read_pool(args.pool))
-        print(f"{args.bundle}: version {manifest['bundle_version']}, {manifest['index']['count']} responses")
+        texts, metadata = read_pool(args.pool)
+        before = read_manifest(Path(args.bundle), verify=False)["index"]["count"]
+        manifest = add_responses(args.bundle, texts, metadata=metadata)
+        added = manifest["index"]["count"] - before
+        print(
+            f"{args.bundle}: version {manifest['bundle_version']}, {manifest['index']['count']} responses: "
+            f"{added} added, {len(texts) - added} skipped (already in the bundle, repeated or blank)"
+        )
         return 0
     from index_builder.build import build_bundle
 
+    resolve_device(args.device)
     if args.pool == "chitchat":
         from coreply.corpus import load_chitchat, responses_of
 
         splits = load_chitchat()
-        texts = responses_of(splits)
-        queries = [p.context for p in splits["valid"][:500]]
-        calibration = splits["valid"][: args.calibrate] if args.cross else []
+        texts, metadata, pairs = responses_of(splits), [], splits["valid"]
     else:
-        texts, queries, calibration = read_pool(args.pool), [], []
+        (texts, metadata), pairs = read_pool(args.pool), []
     if args.queries:
-        queries = [p.context for p in read_pairs(args.queries)][:500]
+        pairs = read_pairs(args.queries)
+    queries = [p.context for p in pairs[:500]]
+    calibration = pairs[: args.calibrate] if args.cross else []
+    if args.cross and not calibration:
+        print("note: no --queries pairs to calibrate on: the z-score fusion weight stays at its default")
     manifest = build_bundle(
         args.output,
         texts,
@@ -304,8 +468,12 @@ def _cmd_index(args: argparse.Namespace) -> int:
         device=args.device,
         pool_source=args.pool,
         calibration=calibration,
+        metadata=metadata,
+        command=shlex.join(["coreply", *(sys.argv[1:] if args.argv is None else args.argv)]),
     )
-    info = manifest["index"]
+    info, dropped = manifest["index"], manifest["build"]["dropped_duplicates_or_blank"]
+    if dropped:
+        print(f"note: {dropped} of the pool's {len(texts)} texts were blank or repeats (after normalisation)")
     print(
         f"wrote {args.output}: {info['count']} responses, dim {info['dim']}, {info['factory']}, "
         f"recall vs exact {info['recall_vs_exact'] or 'not measured (no queries)'}, "
@@ -315,15 +483,24 @@ def _cmd_index(args: argparse.Namespace) -> int:
 
 
 def _serve_parser(sub) -> None:
-    p = sub.add_parser("serve", help="serve POST /respond (builds the default bundle on first use)")
+    p = sub.add_parser(
+        "serve", help="serve POST /respond, /docs and /chat (builds the default bundle on first use)"
+    )
     p.add_argument(
         "--bundle", default=None, help="bundle dir (env COREPLY_BUNDLE; default: the built-in one)"
     )
-    p.add_argument("--host", default=None)
-    p.add_argument("--port", type=int, default=None)
-    p.add_argument("--backend", choices=["auto", "onnx", "torch"], default=None)
+    p.add_argument("--host", default=None, help="address to listen on (env COREPLY_HOST; default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="port (env COREPLY_PORT; default 8000)")
+    p.add_argument(
+        "--backend",
+        choices=["auto", "onnx", "torch"],
+        default=None,
+        help="inference backend (auto: ONNX if exported)",
+    )
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (0 = measure at start)")
-    p.add_argument("--device", default=None)
+    p.add_argument(
+        "--device", default=None, help="cpu, cuda, cuda:N or auto (env COREPLY_DEVICE; default cpu)"
+    )
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -342,8 +519,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         settings = Settings(**overrides)
     except ValidationError as exc:  # one line naming the setting, not pydantic's report
         first = exc.errors()[0]
-        name = f"COREPLY_{str(first['loc'][0]).upper()}" if first["loc"] else "the settings"
-        raise CliError(f"{name}: {first['msg']}") from None
+        field = str(first["loc"][0]) if first["loc"] else ""
+        name = f"--{field.replace('_', '-')} / COREPLY_{field.upper()}" if field else "the settings"
+        raise CliError(f"{name}: {first['msg'].removeprefix('Value error, ')}") from None
+    from coreply.device import resolve_device
+
+    try:
+        resolve_device(settings.device)  # this host has it
+    except ValueError as exc:
+        raise CliError(f"--device / COREPLY_DEVICE: {exc}") from None
     if settings.bundle == DEFAULT_BUNDLE:
         from index_builder.default import ensure_default_bundle
 
@@ -358,6 +542,101 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _chat_parser(sub) -> None:
+    p = sub.add_parser(
+        "chat",
+        help="talk to a bundle (or a running service) in the terminal; /reset, /quit",
+        **DEFAULTS_SHOWN,
+    )
+    where = p.add_mutually_exclusive_group()
+    where.add_argument(
+        "--bundle", default=None, help="bundle dir (default: the built-in one, built if missing)"
+    )
+    where.add_argument("--url", default=None, help="a running service instead, e.g. http://127.0.0.1:8000")
+    p.add_argument(
+        "--api-key", default=os.environ.get("COREPLY_API_KEY"), help="for --url (env COREPLY_API_KEY)"
+    )
+    p.add_argument("--candidates", type=at_least(1), default=10, help="n_r: candidates recalled and reranked")
+    p.add_argument("--show", type=at_least(1), default=1, help="replies shown per turn (best first)")
+
+
+def _remote(url: str, api_key: str | None):
+    """``answer(context, said)`` against a running service's POST /respond."""
+    import urllib.error
+    import urllib.request
+
+    def answer(context: list[str], said: list[int], n: int, show: int) -> list[dict]:
+        body = {"context": context[-10:], "n_candidates": max(n, show), "top_k": show, "exclude": said[-50:]}
+        headers = {"Content-Type": "application/json"} | ({"X-API-Key": api_key} if api_key else {})
+        request = urllib.request.Request(url.rstrip("/") + "/respond", json.dumps(body).encode(), headers)
+        try:
+            with urllib.request.urlopen(request, timeout=30) as r:
+                result = json.load(r)
+        except urllib.error.HTTPError as exc:
+            raise CliError(f"{url}: HTTP {exc.code}: {exc.read().decode(errors='replace')[:200]}") from None
+        except (urllib.error.URLError, OSError) as exc:
+            raise CliError(f"{url}: cannot reach the service ({exc}); is `coreply serve` running?") from None
+        if result.get("fallback") is not None:
+            return [{"text": result["fallback"], "id": None, "score": float("nan")}]
+        return result["responses"]
+
+    return answer
+
+
+def _local(path: Path):
+    """``answer(context, said)`` in-process through :class:`coreply.Responder`."""
+    from coreply.responder import Responder
+
+    bot = Responder.load(path)
+
+    def answer(context: list[str], said: list[int], n: int, show: int) -> list[dict]:
+        found = bot.respond(context[-10:], top_k=show, n_candidates=max(n, show), exclude_ids=said[-50:])
+        return [{"text": r.text, "id": r.id, "score": r.score} for r in found]
+
+    return answer
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    if args.url:
+        answer = _remote(args.url, args.api_key)
+    else:
+        from service.settings import DEFAULT_BUNDLE
+
+        path = Path(args.bundle) if args.bundle else DEFAULT_BUNDLE
+        if args.bundle is None:
+            from index_builder.default import ensure_default_bundle
+
+            ensure_default_bundle(path)
+        answer = _local(path)
+    print("coreply chat: type a message; /reset starts over, /quit (or Ctrl-D) leaves", flush=True)
+    context: list[str] = []
+    said: list[int] = []
+    while True:
+        try:
+            line = input("you> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        if line in ("/quit", "/exit"):
+            return 0
+        if line == "/reset":
+            context, said = [], []
+            continue
+        if not line:
+            continue
+        context.append(line)
+        found = answer(context, said, args.candidates, args.show)
+        if not found:
+            print("bot> (no answer: every candidate was excluded)")
+            continue
+        for rank, reply in enumerate(found):
+            prefix = "bot> " if rank == 0 else f"  {rank + 1}. "
+            print(f"{prefix}{reply['text']}  [{reply['score']:.2f}]", flush=True)
+        context.append(found[0]["text"])
+        if found[0]["id"] is not None:
+            said.append(found[0]["id"])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="coreply", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -366,6 +645,7 @@ def build_parser() -> argparse.ArgumentParser:
     _report_parser(sub)
     _index_parser(sub)
     _serve_parser(sub)
+    _chat_parser(sub)
     return parser
 
 
@@ -375,11 +655,16 @@ COMMANDS: dict[str, Any] = {
     "report": _cmd_report,
     "index": _cmd_index,
     "serve": _cmd_serve,
+    "chat": _cmd_chat,
 }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = None if argv is None else list(argv)
+    logging.basicConfig(
+        level=logging.WARNING, format="%(message)s"
+    )  # notes from the library (capped lists...)
     from coreply.bundle import BundleError
     from coreply.checkpoint import CheckpointError
     from coreply.readers import DataError

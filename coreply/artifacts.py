@@ -124,9 +124,9 @@ def read_sealed(
     if not path.is_file():
         raise error(f"{root}: {missing}")
     try:
-        meta = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise error(f"{path}: invalid JSON ({exc})") from exc
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise error(f"{path}: not valid UTF-8 JSON ({exc}); rebuild it or restore a copy") from exc
     if not isinstance(meta, dict) or meta.get("format") != fmt:
         found = meta.get("format") if isinstance(meta, dict) else None
         raise error(f"{path}: unsupported format {found!r}, expected {fmt!r}")

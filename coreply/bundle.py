@@ -7,7 +7,8 @@ Layout::
     cross/            cross-encoder checkpoint (absent for a retrieval-only bundle)
     onnx/             ONNX exports of both (fp32 or int8; absent when built with ``--onnx none``)
     index.faiss       FAISS index over the response embeddings; row i is response id i
-    responses.jsonl   {"id": i, "text": ...} per line, in id order
+    responses.jsonl   {"id": i, "text": ..., "metadata": {...}?} per line, in id order; metadata: the pool
+                      file's other fields (a team's own id, intent, template), returned by /respond
     tokens/           with a cross-encoder: every response's word-piece ids (``ids.npy``, int32) and
                       where each starts (``offsets.npy``, N + 1), so requests never tokenise a response
 
@@ -22,7 +23,7 @@ import contextlib
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,14 +45,16 @@ class BundleError(ValueError):
     """A bundle that is missing, malformed, corrupted or inconsistent with its manifest."""
 
 
-def write_responses(path: Path, texts: Sequence[str]) -> None:
+def write_responses(path: Path, texts: Sequence[str], metadata: Sequence[dict[str, Any]] = ()) -> None:
     with open(path, "w", encoding="utf-8") as fh:
         for i, text in enumerate(texts):
-            fh.write(json.dumps({"id": i, "text": text}, ensure_ascii=False) + "\n")
+            record = {"id": i, "text": text} | ({"metadata": metadata[i]} if i < len(metadata) else {})
+            fh.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
-def read_responses(path: Path) -> list[str]:
-    texts = []
+def read_responses(path: Path) -> tuple[list[str], list[dict[str, Any]]]:
+    """The texts in id order and each one's metadata (``{}`` where none was given)."""
+    texts, metadata = [], []
     with open(path, encoding="utf-8") as fh:
         for number, line in enumerate(fh, 1):
             try:
@@ -62,8 +65,11 @@ def read_responses(path: Path) -> list[str]:
                 raise BundleError(f"{path}:{number}: expected id {number - 1}")
             if not isinstance(record.get("text"), str):
                 raise BundleError(f"{path}:{number}: field 'text' must be a string")
+            if not isinstance(record.get("metadata", {}), dict):
+                raise BundleError(f"{path}:{number}: field 'metadata' must be an object")
             texts.append(record["text"])
-    return texts
+            metadata.append(record.get("metadata", {}))
+    return texts, metadata
 
 
 def write_tokens(root: Path, ids: np.ndarray, offsets: np.ndarray) -> None:
@@ -111,6 +117,7 @@ class Bundle:
     texts: list[str]
     keys: list[str]  # normalised texts, for echo / exclude filtering
     tokens: tuple[np.ndarray, np.ndarray] | None = None  # the reranker's response ids, offsets
+    metadata: list[dict[str, Any]] = field(default_factory=list)  # per id; {} where none was given
 
     @property
     def version(self) -> str:
@@ -134,7 +141,7 @@ def apply_search_params(index, params: str) -> None:
         faiss.ParameterSpace().set_index_parameters(index, params)
     except RuntimeError as exc:
         detail = "".join([line for line in str(exc).splitlines() if line.strip()][-1:])
-        raise ValueError(f"FAISS search parameters {params!r} do not fit this index: {detail}") from exc
+        raise ValueError(f"--search-params {params!r} do not fit this index: {detail}") from exc
 
 
 def _check(condition: bool, root: Path, message: str) -> None:
@@ -163,7 +170,7 @@ def load_bundle(path: str | Path, verify: bool = True) -> Bundle:
             f"({model['content_hash'][:12]})",
         )
     index = faiss.read_index(str(root / INDEX))
-    texts = read_responses(root / RESPONSES)
+    texts, metadata = read_responses(root / RESPONSES)
     _check(index.d == info["dim"], root, f"index dimension {index.d} != manifest dim {info['dim']}")
     _check(
         index.ntotal == info["count"],
@@ -177,7 +184,7 @@ def load_bundle(path: str | Path, verify: bool = True) -> Bundle:
     )
     apply_search_params(index, info.get("search_params", ""))
     tokens = read_tokens(root, len(texts))
-    return Bundle(root, manifest, index, texts, [normalize(t) for t in texts], tokens)
+    return Bundle(root, manifest, index, texts, [normalize(t) for t in texts], tokens, metadata)
 
 
 class TorchExactIndex:

@@ -73,16 +73,22 @@ def load_chitchat(max_turns: int = 5, path: str | Path | None = None) -> dict[st
     return splits
 
 
-def build_pool(texts: Iterable[str]) -> list[str]:
-    """Distinct texts by :func:`normalize`, first spelling kept, in first-seen order (stable ids)."""
+def distinct(texts: Iterable[str]) -> list[int]:
+    """Positions of the first non-blank text of each :func:`normalize` form, in order."""
     seen: set[str] = set()
-    pool = []
-    for text in texts:
+    keep = []
+    for i, text in enumerate(texts):
         key = normalize(text)
         if key and key not in seen:
             seen.add(key)
-            pool.append(text)
-    return pool
+            keep.append(i)
+    return keep
+
+
+def build_pool(texts: Iterable[str]) -> list[str]:
+    """Distinct texts by :func:`normalize`, first spelling kept, in first-seen order (stable ids)."""
+    texts = list(texts)
+    return [texts[i] for i in distinct(texts)]
 
 
 def responses_of(splits: dict[str, list[Pair]]) -> list[str]:
@@ -91,26 +97,39 @@ def responses_of(splits: dict[str, list[Pair]]) -> list[str]:
 
 
 class NegativeSampler:
-    """Random negatives from a response pool, never equal (after normalisation) to the positive."""
+    """Random negatives from a response pool (a response that recurs is drawn as often as it occurs):
+    distinct, and never equal (after normalisation) to the positive or to anything in ``avoid``."""
 
     def __init__(self, pool: Sequence[str]) -> None:
-        if len(pool) < 2:
-            raise ValueError("the negative pool needs at least 2 distinct responses")
         self.pool = list(pool)
         self.keys = [normalize(t) for t in self.pool]
+        self.distinct = len(set(self.keys) - {""})
+        if self.distinct < 2:
+            raise ValueError("the negative pool needs at least 2 distinct responses")
+
+    @property
+    def capacity(self) -> int:
+        """The most negatives every list can have: all distinct responses but the gold."""
+        return self.distinct - 1
 
     def sample(
         self, positive: str, count: int, rng: np.random.Generator, avoid: set[str] | None = None
     ) -> list[str]:
-        gold = normalize(positive)
-        taken = {gold} | (avoid or set())
+        taken = {normalize(positive)} | (avoid or set())
         out: list[str] = []
-        attempts = 0
-        while len(out) < count:
+        for _ in range(20 * (count + 1)):  # rejection sampling: cheap when the pool is large
+            if len(out) == count:
+                return out
             i = int(rng.integers(len(self.pool)))
-            attempts += 1
-            if self.keys[i] in taken and attempts < 50 * (count + 1):
-                continue
-            taken.add(self.keys[i])
-            out.append(self.pool[i])
+            if self.keys[i] and self.keys[i] not in taken:
+                taken.add(self.keys[i])
+                out.append(self.pool[i])
+        first = {key: i for i, key in reversed(list(enumerate(self.keys))) if key and key not in taken}
+        free = sorted(first.values())  # a small pool: draw from what is left, once per distinct response
+        if len(out) + len(free) < count:
+            raise ValueError(
+                f"{count} negatives asked for, but the pool has only {len(out) + len(free)} distinct "
+                "responses besides this list's own"
+            )
+        out += [self.pool[i] for i in rng.choice(free, size=count - len(out), replace=False)]
         return out

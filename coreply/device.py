@@ -5,13 +5,27 @@ from __future__ import annotations
 import torch
 
 
+def check_device_name(preference: str) -> str:
+    """``preference`` if it names a device coreply can use (``auto``, ``cpu``, ``cuda``, ``cuda:N``), else a
+    ValueError that lists them. Says nothing about this host (:func:`resolve_device` does)."""
+    kind, _, index = preference.partition(":")
+    if preference != "auto" and (
+        kind not in ("cpu", "cuda") or (index and (kind == "cpu" or not index.isdigit()))
+    ):
+        raise ValueError(f"device {preference!r} is not one of auto, cpu, cuda, cuda:N")
+    return preference
+
+
 def resolve_device(preference: str = "auto") -> torch.device:
-    """Map ``auto`` / ``cpu`` / ``cuda`` / ``cuda:N`` to a device; ``auto`` takes CUDA when present."""
-    if preference == "auto":
+    """Map ``auto`` / ``cpu`` / ``cuda`` / ``cuda:N`` to a device; ``auto`` takes CUDA when present.
+    Anything else, or CUDA this host lacks, is a ValueError that says what to use instead."""
+    if check_device_name(preference) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if preference.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {preference!r} asked for, but this host has no CUDA: use cpu or auto")
     device = torch.device(preference)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {preference!r} requested but CUDA is not available")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"device {preference!r}: this host has {torch.cuda.device_count()} CUDA devices")
     return device
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -55,29 +56,33 @@ def read_jsonl(path: str | Path) -> list[Pair]:
     return pairs
 
 
-def read_pool(path: str | Path) -> list[str]:
-    """A response pool: one response per line (``.txt``) or JSONL with a ``text`` field per line."""
-    texts = []
+def read_pool(path: str | Path) -> tuple[list[str], list[dict[str, Any]]]:
+    """A response pool: one response per line (``.txt``), or JSONL with a ``text`` field per line. Returns
+    the texts and, per text, its record's other fields (a team's own id, intent, template name...;
+    ``{}`` for ``.txt``), which the bundle keeps and ``/respond`` returns as ``metadata``."""
+    texts: list[str] = []
+    metadata: list[dict[str, Any]] = []
     as_json = str(path).endswith(".jsonl")
-    with open(path, encoding="utf-8") as fh:
+    with _utf8(str(path)), open(path, encoding="utf-8") as fh:
         for number, line in enumerate(fh, 1):
             if not line.strip():
                 continue
-            if as_json:
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise DataError(f"{path}:{number}: invalid JSON ({exc.msg})") from exc
-                texts.append(
-                    _string(
-                        record.get("text") if isinstance(record, dict) else None, f"{path}:{number}", "text"
-                    )
-                )
-            else:
+            if not as_json:
                 texts.append(line.rstrip("\n"))
+                metadata.append({})
+                continue
+            where = f"{path}:{number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{where}: invalid JSON ({exc.msg})") from exc
+            if not isinstance(record, dict):
+                raise DataError(f"{where}: expected a JSON object with a 'text' field")
+            texts.append(_string(record.pop("text", None), where, "text"))
+            metadata.append(record)
     if not texts:
         raise DataError(f"{path}: empty pool")
-    return texts
+    return texts, metadata
 
 
 def _ubuntu_context(text: str) -> tuple[str, ...]:
@@ -191,10 +196,18 @@ def read_pairs(path: str | Path) -> list[Pair]:
     name = str(path)
     if not Path(name).is_file():
         raise DataError(f"{name}: no such file")
-    if name.endswith(".jsonl"):
-        return read_jsonl(name)
-    if name.endswith(".csv"):
-        return read_ubuntu_csv(name)
-    if name.endswith(".json"):
-        return read_dstc7_json(name)
-    raise DataError(f"{name}: unknown data format (expected .jsonl, .csv (Ubuntu v2) or .json (DSTC7))")
+    readers = {".jsonl": read_jsonl, ".csv": read_ubuntu_csv, ".json": read_dstc7_json}
+    reader = readers.get(Path(name).suffix)
+    if reader is None:
+        raise DataError(f"{name}: unknown data format (expected .jsonl, .csv (Ubuntu v2) or .json (DSTC7))")
+    with _utf8(name):
+        return reader(name)
+
+
+@contextmanager
+def _utf8(name: str):
+    """A file that is not UTF-8 is a DataError naming it, not a bare codec error."""
+    try:
+        yield
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{name}: not UTF-8 text (byte {exc.start}); save it as UTF-8") from None

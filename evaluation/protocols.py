@@ -11,6 +11,7 @@ A hit is a retrieved text whose normalised form equals the gold's.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -24,12 +25,27 @@ from coreply.ranking import ZSCORE_WEIGHT, Candidates, Hits, Pipeline, Query, or
 from coreply.text import normalize
 from evaluation.metrics import gold_rank, summarize
 
+log = logging.getLogger(__name__)
+
 
 def protocol_a_lists(
     pairs: Sequence[Pair], pool: Sequence[str], size: int = 100, seed: int = 0
 ) -> list[list[str]]:
-    """Candidate lists, gold first. Pairs that ship their own negatives (benchmark files) use those."""
+    """Candidate lists, gold first. Pairs that ship their own negatives (benchmark files) use those. A
+    list never holds the gold twice: with fewer distinct responses than ``size``, lists are as long as
+    the pool allows, and a warning says so."""
+    if size < 2:
+        raise ValueError(f"a protocol A list needs the gold and at least one negative (size {size})")
     sampler = NegativeSampler(pool)
+    if size - 1 > sampler.capacity and not all(p.negatives for p in pairs):
+        log.warning(
+            "protocol A lists of %d asked for, but the negative pool has %d distinct responses: "
+            "lists of %d instead",
+            size,
+            sampler.distinct,
+            sampler.capacity + 1,
+        )
+        size = sampler.capacity + 1
     rng = np.random.default_rng([seed, 3])
     lists = []
     for pair in pairs:

@@ -76,8 +76,10 @@ def run_eval(spec: EvalSpec) -> dict[str, Any]:
             "threshold": judge.threshold,
             "gold": restates([p.response for p in spec.test])["restates"],
         }
+    candidates = 0
     if "A" in spec.protocols:
         lists = protocol_a_lists(spec.test, spec.negatives, spec.candidates, spec.seed)
+        candidates = max(len(c) for c in lists)
         scored = evaluate_lists(spec.test, lists, bi, cross)  # type: ignore[arg-type]
         names = {"bi": bi_name, "poly": poly_name, "cross": cross_name}
         names["sum"] = f"{bi_name} + {cross_name} (sum)"
@@ -162,7 +164,7 @@ def run_eval(spec: EvalSpec) -> dict[str, Any]:
         "test_pairs": len(spec.test),
         "valid_pairs_for_calibration": len(spec.valid),
         "pool_size": len(spec.pool),
-        "candidates_protocol_a": spec.candidates,
+        "candidates_protocol_a": candidates or spec.candidates,
         "protocol_a_negative_pool": len(spec.negatives),
         "n_r": list(spec.n_r),
         "seed": spec.seed,

@@ -33,14 +33,14 @@ from coreply.bundle import (
 )
 from coreply.checkpoint import load_bi, load_checkpoint, load_dialogue_tokenizer, read_meta, save_checkpoint
 from coreply.config import ZERO_SHOT
-from coreply.corpus import Pair, build_pool
+from coreply.corpus import Pair, distinct
 from coreply.device import resolve_device
 from coreply.inference import Backend, export_onnx
 from coreply.ranking import Pipeline
 from coreply.text import normalize
 from coreply.tokenization import flat_pieces
 from evaluation.protocols import choose_zscore_weight, retrieve_and_rerank
-from index_builder.faiss_index import EXACT, make_index, recall_vs_exact
+from index_builder.faiss_index import EXACT, check_index_spec, make_index, recall_vs_exact
 
 ONNX_CHOICES = ("int8", "fp32", "none")
 
@@ -110,20 +110,27 @@ def build_bundle(
     pool_source: str = "",
     calibration: Sequence[Pair] = (),
     progress: bool = True,
+    metadata: Sequence[dict[str, Any]] = (),
+    command: str = "",
 ) -> dict[str, Any]:
     """Encode ``texts`` (normalised duplicates dropped, first spelling kept, ids in order) and write a
     bundle to ``out`` atomically. ``queries`` (contexts) measure the index's recall against exact search;
-    ``calibration`` pairs (with a reranker) choose the z-score fusion weight."""
+    ``calibration`` pairs (with a reranker) choose the z-score fusion weight; ``metadata`` (one dict per
+    text, if given) is stored with each response and returned by the service; ``command`` is recorded as
+    what built the bundle."""
     if onnx not in ONNX_CHOICES:
         raise ValueError(f"--onnx must be one of {ONNX_CHOICES}, got {onnx!r}")
     started = time.perf_counter()
     torch_device = resolve_device(device)
-    pool = build_pool(texts)
+    keep = distinct(texts)
+    pool = [texts[i] for i in keep]
+    extra = [metadata[i] for i in keep] if any(metadata) else []
     if not pool:
         raise ValueError("the response pool is empty")
     final = Path(out)
     with staging(final) as tmp:
         bi_model = _place_model(bi, "bi", tmp / "bi", str(torch_device))
+        check_index_spec(bi_model.dim, len(pool), factory, search_params)
         cross_model = _place_model(cross, "cross", tmp / "cross", str(torch_device)) if cross else None
         if onnx != "none":
             export_onnx(bi_model, cross_model, tmp / "onnx", onnx)
@@ -151,7 +158,7 @@ def build_bundle(
         import faiss
 
         faiss.write_index(index, str(tmp / INDEX))
-        write_responses(tmp / RESPONSES, pool)
+        write_responses(tmp / RESPONSES, pool, extra)
         if cross_model is not None:  # requests then assemble rerank inputs from ids
             write_tokens(tmp, *flat_pieces(cross_model.tokenizer.pieces(pool)))
         manifest["encoder"] = f"onnx-{onnx}" if use_onnx else f"torch-{torch_device.type}"
@@ -167,6 +174,7 @@ def build_bundle(
         manifest["build"] = {
             "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "pool_source": pool_source,
+            "command": command,
             "input_texts": len(texts),
             "dropped_duplicates_or_blank": len(texts) - len(pool),
             "encode_seconds": round(encode_s, 1),
@@ -178,13 +186,17 @@ def build_bundle(
         return finish(tmp, final, manifest)
 
 
-def add_responses(path: str | Path, texts: Sequence[str], progress: bool = True) -> dict[str, Any]:
-    """Append new responses to a bundle without re-encoding the others. Texts already in the pool (by
-    normalised form) are skipped; new ids continue after the last one. The bundle is rewritten atomically."""
+def add_responses(
+    path: str | Path, texts: Sequence[str], progress: bool = True, metadata: Sequence[dict[str, Any]] = ()
+) -> dict[str, Any]:
+    """Append new responses (and their ``metadata``, if given) to a bundle without re-encoding the others.
+    Texts already in the pool (by normalised form) are skipped; new ids continue after the last one. The
+    bundle is rewritten atomically."""
     root = Path(path)
     bundle = load_bundle(root)
     known = set(bundle.keys)
-    new = [t for t in build_pool(texts) if normalize(t) not in known]
+    keep = [i for i in distinct(texts) if normalize(texts[i]) not in known]
+    new = [texts[i] for i in keep]
     if not new:
         return bundle.manifest
     encoder = bundle.manifest["encoder"]
@@ -206,7 +218,8 @@ def add_responses(path: str | Path, texts: Sequence[str], progress: bool = True)
             if name not in (INDEX, RESPONSES, MANIFEST) and not name.startswith(f"{TOKENS}/"):
                 link_or_copy(root / name, tmp / name)
         faiss.write_index(bundle.index, str(tmp / INDEX))
-        write_responses(tmp / RESPONSES, [*bundle.texts, *new])
+        extra = [*bundle.metadata, *([metadata[i] for i in keep] if metadata else [{}] * len(new))]
+        write_responses(tmp / RESPONSES, [*bundle.texts, *new], extra if any(extra) else [])
         if bundle.tokens is not None:  # the stored ids, then the new responses'
             ids, offsets = bundle.tokens
             new_ids, new_offsets = flat_pieces(load_dialogue_tokenizer(root / "cross").pieces(new))

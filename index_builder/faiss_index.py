@@ -8,7 +8,34 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from coreply.bundle import apply_search_params
+
 EXACT = "Flat"
+
+
+def empty_index(dim: int, factory: str):
+    """An untrained, empty CPU index for ``factory``; a ValueError names a string FAISS cannot build."""
+    import faiss
+
+    try:
+        return faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
+    except RuntimeError as exc:
+        raise ValueError(f"--factory {factory!r}: FAISS cannot build it: {first_line(exc)}") from exc
+
+
+def check_index_spec(dim: int, count: int, factory: str, search_params: str) -> None:
+    """Refuse, before a pool is encoded, what would only fail after it: a factory string FAISS cannot
+    build, search parameters that do not fit it, or more inverted lists than there are responses."""
+    import faiss
+
+    index = empty_index(dim, factory)
+    apply_search_params(index, search_params)
+    try:
+        lists = faiss.extract_index_ivf(index).nlist
+    except RuntimeError:  # not an IVF index
+        return
+    if lists > count:
+        raise ValueError(f"--factory {factory!r}: {lists} inverted lists for {count} responses; use fewer")
 
 
 def make_index(
@@ -18,10 +45,7 @@ def make_index(
     import faiss
 
     n, dim = vectors.shape
-    try:
-        index = faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
-    except RuntimeError as exc:
-        raise ValueError(f"FAISS cannot build factory string {factory!r}: {first_line(exc)}") from exc
+    index = empty_index(dim, factory)
     on_gpu = False
     if gpu and faiss.get_num_gpus() > 0:
         try:

@@ -21,12 +21,13 @@ from service import errors
 from service.engine import Engine, load_engine
 from service.logs import ACCESS, request_id
 from service.metrics import Metrics
+from service.pages import install_pages
 from service.routes import build_router
 from service.schemas import respond_request_model
 from service.settings import Settings
 from service.state import ServiceState
 
-ROUTES = ("/respond", "/healthz", "/readyz", "/metrics", "/docs", "/openapi.json")
+ROUTES = ("/respond", "/healthz", "/readyz", "/metrics", "/docs", "/openapi.json", "/chat")
 
 
 class Guard:
@@ -143,8 +144,11 @@ def create_app(
         summary="Response retrieval for chatbots: recall -> rerank -> fusion",
         version="0.1.0",
         lifespan=lifespan,
+        docs_url=None,  # served by install_pages from local assets
+        redoc_url=None,  # ReDoc has no offline bundle on PyPI
     )
     errors.install(app)
+    install_pages(app)
     app.include_router(build_router(settings, request_model))
     app.state.service = state
     return Guard(app, state)

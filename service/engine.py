@@ -8,13 +8,15 @@ import asyncio
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
 from coreply.bundle import Bundle, make_backend, pipeline
+from coreply.device import resolve_device
 from coreply.inference import Backend
 from coreply.ranking import Candidates, Query, order
+from coreply.responder import replies
 from service.batching import MicroBatcher
 from service.cascade import Cascade
 from service.metrics import Metrics
@@ -28,6 +30,7 @@ class Job:
     n_candidates: int
     fusion: str
     deadline: float | None = None  # time.perf_counter() value; queued work past it is dropped
+    min_retrieval_score: float | None = None  # responses below it are dropped; none left: the fallback
 
 
 class Engine:
@@ -129,17 +132,16 @@ class Engine:
             self._account(done, timings, "rerank")
         self.metrics.reranked.observe(0 if candidates.rerank is None else len(candidates.rerank))
         positions, final = order(candidates, fusion, n_candidates, self.pipeline.weight)
-        ids, retrieval, rerank = candidates.ids, candidates.retrieval, candidates.rerank
         responses = [
-            {
-                "id": int(ids[j]),
-                "text": self.bundle.texts[ids[j]],
-                "score": float(score),
-                "retrieval_score": float(retrieval[j]),
-                "rerank_score": None if rerank is None else float(rerank[j]),
-            }
-            for j, score in zip(positions[: job.top_k], final, strict=False)
+            asdict(r) | {"metadata": r.metadata or None}
+            for r in replies(self.bundle, candidates, positions[: job.top_k], final)
         ]
+        fallback = None
+        if job.min_retrieval_score is not None:
+            responses = [r for r in responses if r["retrieval_score"] >= job.min_retrieval_score]
+            if not responses:
+                fallback = self.settings.fallback_text
+                self.metrics.fallbacks.inc()
         timings["total"] = time.perf_counter() - started
         if self.cascade is not None:
             self.cascade.observe(timings["queue_wait"])
@@ -155,10 +157,11 @@ class Engine:
         return {
             "responses": responses,
             "fusion": fusion,
-            "n_candidates": len(ids),
+            "n_candidates": len(candidates.ids),
             "bundle_version": self.bundle.version,
             "timings_ms": {name: round(1000 * s, 3) for name, s in timings.items()},
             "degraded": degraded,
+            "fallback": fallback,
         }
 
     def _account(self, done, timings: dict[str, float], batcher: str) -> None:
@@ -174,26 +177,27 @@ def load_engine(settings: Settings, metrics: Metrics) -> Engine:
     """Load and verify the bundle, pick the thread count, build the engine (not yet started)."""
     from coreply.bundle import load_bundle, search_on
 
-    bundle = search_on(load_bundle(settings.bundle), settings.device)
+    device = str(resolve_device(settings.device))
+    bundle = search_on(load_bundle(settings.bundle), device)
     if settings.threads:
         threads = settings.threads
-        backend = make_backend(bundle, settings.backend, threads, settings.device)
+        backend = make_backend(bundle, settings.backend, threads, device)
     else:
-        backend, threads = fastest_backend(bundle, settings)
+        backend, threads = fastest_backend(bundle, settings, device)
     return Engine(bundle, backend, threads, settings, metrics)
 
 
-def fastest_backend(bundle: Bundle, settings: Settings) -> tuple[Backend, int]:
+def fastest_backend(bundle: Bundle, settings: Settings, device: str) -> tuple[Backend, int]:
     """Time a typical request's model work with 1 thread and with every core; keep the faster backend."""
     import os
 
     cores = os.cpu_count() or 1
-    candidates = [1] if cores == 1 or settings.device != "cpu" else [1, cores]
+    candidates = [1] if cores == 1 or device != "cpu" else [1, cores]
     context = ["hi! how was your weekend?", "great, i went hiking in the hills. and you?"]
     texts = bundle.texts[: settings.default_candidates]
     timed = []
     for threads in candidates:
-        backend = make_backend(bundle, settings.backend, threads, settings.device)
+        backend = make_backend(bundle, settings.backend, threads, device)
         runs = []
         for _ in range(4):
             t = time.perf_counter()

@@ -54,6 +54,11 @@ class Metrics:
         self.degraded = Counter(
             "coreply_degraded_requests", "Requests answered with less work by the cascade", registry=r
         )
+        self.fallbacks = Counter(
+            "coreply_fallback_responses",
+            "Requests answered with the fallback: no response reached the minimum retrieval score",
+            registry=r,
+        )
         self.reloads = Counter(
             "coreply_reloads", "Bundle reloads (SIGHUP) by result: ok or failed", ["result"], registry=r
         )

@@ -3,7 +3,7 @@ limits in force are the ones validated and the ones the OpenAPI schema at ``/doc
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, create_model, field_validator
 
@@ -57,6 +57,14 @@ def respond_request_model(settings: Settings) -> type[RespondBase]:
                 "bundle's calibrated weight; default zscore with a reranker, else retrieval",
             ),
         ),
+        min_retrieval_score=(
+            float | None,
+            Field(
+                settings.min_retrieval_score,
+                description="responses whose retrieval score is below this are not returned; if none is "
+                "left, the answer carries the service's fallback text (default: COREPLY_MIN_RETRIEVAL_SCORE)",
+            ),
+        ),
         exclude=(
             list[excluded],
             Field(
@@ -69,11 +77,14 @@ def respond_request_model(settings: Settings) -> type[RespondBase]:
 
 
 class Candidate(BaseModel):
-    id: int
+    id: int = Field(description="the response's row in the bundle (usable in `exclude`)")
     text: str
     score: float
     retrieval_score: float
     rerank_score: float | None = None
+    metadata: dict[str, Any] | None = Field(
+        None, description="the pool file's other fields for this response (your id, intent, template...)"
+    )
 
 
 class Degraded(BaseModel):
@@ -93,6 +104,9 @@ class RespondResponse(BaseModel):
         description="total, queue_wait, encode, search, rerank (milliseconds; batch stages are shared)"
     )
     degraded: Degraded | None = None
+    fallback: str | None = Field(
+        None, description="set (to the service's fallback text) when no response reached min_retrieval_score"
+    )
 
 
 class ErrorResponse(BaseModel):

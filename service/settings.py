@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_BUNDLE = Path("artifacts/default-bundle")
@@ -18,7 +18,7 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     backend: Literal["auto", "onnx", "torch"] = "auto"
-    device: str = "cpu"
+    device: str = Field("cpu", description="auto (CUDA if the host has it), cpu, cuda or cuda:N")
     threads: int = Field(
         0, ge=0, le=256, description="intra-op threads; 0 = measure 1 vs all cores, keep the faster"
     )
@@ -59,6 +59,16 @@ class Settings(BaseSettings):
     cascade_skip_rerank: bool = Field(True, description="the top level answers by retrieval alone")
     cascade_step_s: float = Field(1.0, ge=0, description="least time between two level changes")
 
+    # when no response is similar enough (retrieval score: cosine for the built-in default), answer with a
+    # fixed text instead; a request's `min_retrieval_score` overrides the threshold
+    min_retrieval_score: float | None = Field(
+        None, description="responses below this retrieval score are not returned; none: no threshold"
+    )
+    fallback_text: str = Field(
+        "Sorry, I don't have a good answer to that.",
+        description="the answer's `fallback` when no response reaches the minimum retrieval score",
+    )
+
     log_text: bool = Field(False, description="put dialogue text and answers in the access log")
 
     # optional API keys: requests to non-public routes need one (`Authorization: Bearer <key>` or
@@ -75,6 +85,13 @@ class Settings(BaseSettings):
     @property
     def public(self) -> frozenset[str]:
         return frozenset(r.strip() for r in self.public_routes.split(",") if r.strip())
+
+    @field_validator("device")
+    @classmethod
+    def _device_name(cls, value: str) -> str:
+        from coreply.device import check_device_name
+
+        return check_device_name(value)  # whether this host has it is checked at start
 
     @model_validator(mode="after")
     def _consistent(self) -> Settings:

@@ -37,7 +37,8 @@ def make_job(body: Any, engine: Engine, deadline: float | None = None) -> Job:
         exclude_texts=tuple(x for x in body.exclude if isinstance(x, str)),
         exclude_ids=frozenset(x for x in body.exclude if isinstance(x, int)),
     )
-    return Job(query, body.top_k, n, body.fusion or engine.default_fusion, deadline)
+    fusion = body.fusion or engine.default_fusion
+    return Job(query, body.top_k, n, fusion, deadline, body.min_retrieval_score)
 
 
 class ServiceState:
@@ -56,7 +57,8 @@ class ServiceState:
         self._reloading = asyncio.Lock()
 
     async def _warm(self, engine: Engine) -> None:
-        answer = await engine.respond(make_job(self.request_model(context=GOLDEN), engine))
+        golden = self.request_model(context=GOLDEN, min_retrieval_score=None)  # the model, not the threshold
+        answer = await engine.respond(make_job(golden, engine))
         if not answer["responses"] or not all(math.isfinite(r["score"]) for r in answer["responses"]):
             raise RuntimeError(f"bundle {engine.bundle.version} gave no usable answer to the golden query")
 

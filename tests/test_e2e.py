@@ -2,8 +2,8 @@
 schema-based fuzzing of /respond; a real Prometheus server scraping /metrics."""
 
 import os
+import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 import schemathesis
-from conftest import TOPICS
+from conftest import TOPICS, check_drain_under_load, free_port, wait_for
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
@@ -19,26 +19,6 @@ from schemathesis.specs.openapi.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(url: str, process: subprocess.Popen | None = None, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process is not None and process.poll() is not None:
-            raise RuntimeError(f"process exited with {process.returncode}")
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(url)
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +49,27 @@ def test_respond_over_http(server):
     scores = [c["score"] for c in body["responses"]]
     assert scores == sorted(scores, reverse=True)
     assert body["timings_ms"]["total"] > 0 and body["bundle_version"]
+
+
+@pytest.mark.parametrize("where", ["bundle", "url"])
+def test_coreply_chat_in_the_terminal(server, tiny_bundle, where):
+    """`coreply chat` in-process (--bundle) and against the running service (--url): a question gets
+    the topic's answer, /reset starts over, and an answer already given is not repeated."""
+    target = ["--bundle", str(tiny_bundle)] if where == "bundle" else ["--url", server]
+    question, answer = TOPICS["pet"]
+    session = f"{question}\n{question}\n/reset\n{question}\n/quit\n"
+    done = subprocess.run(
+        [sys.executable, "-m", "cli", "chat", *target],
+        input=session,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    said = [re.sub(r"^(you> )*bot> ", "", line) for line in done.stdout.splitlines() if "bot> " in line]
+    texts = [line.rsplit("  [", 1)[0] for line in said]  # "text  [score]"
+    assert len(texts) == 3 and texts[0] == answer and texts[2] == answer
+    assert texts[1] != answer  # the second time the bot does not repeat itself
 
 
 def test_errors_over_http(server):
@@ -167,7 +168,6 @@ def test_prometheus_scrapes_the_service(server, tmp_path):
 def test_sigterm_under_load_drains_every_admitted_request(tiny_bundle, tmp_path):
     """SIGTERM while requests are queued: readiness goes 503 (or the listener is already closed), every
     request the server accepted is answered 200, and the process exits cleanly within the drain."""
-    import asyncio
     import signal
 
     port = free_port()
@@ -178,34 +178,9 @@ def test_sigterm_under_load_drains_every_admitted_request(tiny_bundle, tmp_path)
     with open(log, "w") as out:
         process = subprocess.Popen([*cmd, "--threads", "1"], stdout=out, stderr=subprocess.STDOUT, env=env)
     wait_for(base + "/readyz", process)
-    outcomes: list[tuple[str, float]] = []  # ("ok" | "refused" | other, finish time)
     body = {"context": ["hi", "how are you ?", TOPICS["sport"][0]], "n_candidates": 13, "fusion": "sum"}
-
-    async def one(client: httpx.AsyncClient) -> None:
-        try:
-            r = await client.post(base + "/respond", json=body)
-            outcomes.append(("ok" if r.status_code == 200 else f"http {r.status_code}", time.monotonic()))
-        except httpx.ConnectError:
-            outcomes.append(("refused", time.monotonic()))  # never admitted
-        except httpx.HTTPError as exc:
-            outcomes.append((f"failed after admission: {exc!r}", time.monotonic()))
-
-    async def load_then_terminate() -> float:
-        limits = httpx.Limits(max_connections=64, max_keepalive_connections=0)
-        async with httpx.AsyncClient(timeout=60, limits=limits) as client:
-            tasks = [asyncio.create_task(one(client)) for _ in range(64)]
-            while not outcomes:  # requests are flowing; most are still queued
-                await asyncio.sleep(0.005)
-            process.send_signal(signal.SIGTERM)
-            sent = time.monotonic()
-            await asyncio.gather(*tasks)
-        return sent
-
-    sent = asyncio.run(load_then_terminate())
+    check_drain_under_load(base, body, lambda: process.send_signal(signal.SIGTERM))
     process.wait(timeout=30)
-    kinds = [kind for kind, _ in outcomes]
-    assert set(kinds) <= {"ok", "refused"}, [k for k in kinds if k not in ("ok", "refused")]
-    assert sum(1 for kind, at in outcomes if kind == "ok" and at > sent) > 0  # some really were in flight
     assert process.returncode in (0, -15) and "Application shutdown complete" in log.read_text()
 
 

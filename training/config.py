@@ -11,51 +11,107 @@ Mode = Literal["independent", "distill", "core", "mutual"]
 MODES: tuple[str, ...] = ("independent", "distill", "core", "mutual")
 
 
+AT_LEAST_ONE = (
+    "num_negatives", "batch_size", "grad_accum", "epochs", "max_steps", "eval_every", "log_every",
+    "patience", "hard_refresh", "hard_pool", "hard_top",
+)  # fmt: skip
+NON_NEGATIVE = (
+    "lora_rank", "hard_negatives", "own_turn_negatives", "paraphrase_negatives", "max_batch_tokens",
+    "valid_size", "weight_decay", "gamma_r", "gamma_g", "alpha",
+)  # fmt: skip
+POSITIVE = ("lr", "tau", "grad_clip", "lora_alpha")
+RESUMABLE = frozenset({"max_steps", "epochs", "patience", "eval_every", "log_every", "device", "prefetch"})
+"""What ``coreply train --resume`` may change: the budget and the bookkeeping, never the recipe."""
+
+
+HELP = {
+    "models": "which models `independent` trains; for `distill`, 'cross' makes the student a (smaller) "
+    "cross-encoder, anything else the bi-encoder",
+    "teacher": "trained cross-encoder checkpoint that teaches in `distill`",
+    "init_bi": "start the retriever from this checkpoint instead of the base model",
+    "init_cross": "start the reranker from this checkpoint instead of the base model",
+    "lora_rank": "> 0: train low-rank adapters (+ biases, norms, heads) instead of every weight; checkpoints "
+    "then hold only those (a few MB) and name the base model by hash",
+    "lora_alpha": "LoRA scaling (update = alpha / rank * B A)",
+    "num_negatives": "negatives per candidate list (delta_r); capped, with a message, at the distinct "
+    "responses the training data has besides the gold",
+    "batch_size": "contexts per step and process",
+    "grad_accum": "micro-batches accumulated per optimizer step",
+    "lr": "AdamW learning rate",
+    "weight_decay": "AdamW weight decay",
+    "warmup_ratio": "share of the steps with a linear learning-rate warm-up",
+    "epochs": "passes over the training pairs (unless --max-steps is given)",
+    "max_steps": "optimizer steps; the budget for equal-budget comparisons (default: --epochs' worth)",
+    "tau": "softmax temperature of the distributions the models learn from each other",
+    "gamma_r": "weight of the retriever's KL term (learning from the reranker)",
+    "gamma_g": "weight of the reranker's KL term (learning from the retriever)",
+    "alpha": "`mutual`: weight of both KL terms",
+    "in_batch": "the retriever also ranks the other contexts' candidates of the batch",
+    "hard_negatives": "how many of the negatives are mined by the current retriever",
+    "hard_refresh": "steps between re-embeddings of the mining pool",
+    "hard_pool": "responses sampled for mining",
+    "hard_top": "mine among the retriever's top k",
+    "own_turn_negatives": "how many negatives are the context's own turns (restatements)",
+    "paraphrase_negatives": "how many negatives are the pool's nearest neighbours of the last turn: "
+    "paraphrases of what the user just said (mined like the hard negatives)",
+    "max_batch_tokens": "> 0: run the reranker's pairs in length-sorted chunks of at most this many padded "
+    "tokens (less padding); 0: one padded batch per micro-batch",
+    "prefetch": "build the next step's lists and token ids in a thread while this step runs",
+    "compile": "torch.compile the models (dynamic shapes)",
+    "grad_clip": "gradient-norm clip (the precursor paper's value)",
+    "seed": "seed of the data order, the negatives and the initialisation",
+    "eval_every": "steps between validations (checkpoints keep the best validation hits@1)",
+    "valid_size": "validation pairs used (0: none; the last weights are kept)",
+    "valid_candidates": "protocol A list size on the validation pairs; capped, with a message, at the "
+    "distinct validation responses",
+    "patience": "validations without a new best before training stops early",
+    "log_every": "steps between lines of metrics.jsonl",
+    "device": "'auto' (CUDA when present), 'cpu', 'cuda' or 'cuda:N'",
+}
+"""Each field's ``coreply train`` help (``mode``, ``output_dir`` and ``model`` have their own)."""
+
+
 @dataclass
 class TrainConfig:
-    """Defaults are the CORE paper's (Sec. 4.3) unless a comment says otherwise."""
+    """Defaults are the CORE paper's (Sec. 4.3) unless :data:`HELP` says otherwise."""
 
     mode: Mode = "core"
     output_dir: str = "runs/core"
-    models: Literal["both", "bi", "cross"] = "both"  # which models `independent` trains;
-    # `distill`: "cross" makes the student a (smaller) cross-encoder, anything else the bi-encoder
-    teacher: str | None = None  # cross-encoder checkpoint for `distill`
-    init_bi: str | None = None  # start from these checkpoints instead of the base model
+    models: Literal["both", "bi", "cross"] = "both"
+    teacher: str | None = None
+    init_bi: str | None = None
     init_cross: str | None = None
-    lora_rank: int = 0  # > 0: train low-rank adapters (+ biases, norms, heads) instead of every weight;
-    # checkpoints then hold only those (a few MB) and name the base model by hash (coreply.adapters)
+    lora_rank: int = 0
     lora_alpha: float = 16.0
     model: ModelConfig = field(default_factory=ModelConfig)
-    num_negatives: int = 32  # delta_r
-    batch_size: int = 8  # contexts per step and process
+    num_negatives: int = 32
+    batch_size: int = 8
     grad_accum: int = 1
     lr: float = 5e-5
     weight_decay: float = 0.01
     warmup_ratio: float = 0.1
     epochs: int = 1
-    max_steps: int | None = None  # optimizer steps; the budget for equal-budget comparisons
+    max_steps: int | None = None
     tau: float = 3.0
     gamma_r: float = 1.0
     gamma_g: float = 3.0
-    alpha: float = 1.0  # `mutual`: weight of both KL terms
-    in_batch: bool = False  # bi-encoder also ranks the other contexts' candidates
-    hard_negatives: int = 0  # how many of the delta_r negatives are mined by the current retriever
-    hard_refresh: int = 200  # steps between re-embeddings of the mining pool
-    hard_pool: int = 20_000  # responses sampled for mining
-    hard_top: int = 50  # mine among the retriever's top-k
-    own_turn_negatives: int = 0  # how many negatives are the context's own turns (restatements)
-    paraphrase_negatives: int = 0  # how many are the pool's nearest neighbours of the last turn, mined
-    # like the hard negatives (same pool sample and refresh): paraphrases of what the user just said
-    max_batch_tokens: int = 0  # > 0: run the reranker's pairs in length-sorted chunks of at most this
-    # many padded tokens (less padding); 0: one padded batch per micro-batch
-    prefetch: bool = True  # build the next step's lists and token ids in a thread while this step runs
-    compile: bool = False  # torch.compile the models (dynamic shapes)
-    grad_clip: float = 10.0  # the precursor paper's value
+    alpha: float = 1.0
+    in_batch: bool = False
+    hard_negatives: int = 0
+    hard_refresh: int = 200
+    hard_pool: int = 20_000
+    hard_top: int = 50
+    own_turn_negatives: int = 0
+    paraphrase_negatives: int = 0
+    max_batch_tokens: int = 0
+    prefetch: bool = True
+    compile: bool = False
+    grad_clip: float = 10.0
     seed: int = 42
     eval_every: int = 200
     valid_size: int = 500
-    valid_candidates: int = 100  # protocol A list size on the validation split
-    patience: int = 5  # evaluations without a new best before early stopping
+    valid_candidates: int = 100
+    patience: int = 5
     log_every: int = 10
     device: str = "auto"
 
@@ -66,20 +122,21 @@ class TrainConfig:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.mode == "distill" and not self.teacher:
             raise ValueError("mode 'distill' needs --teacher (a trained cross-encoder checkpoint)")
-        if self.lora_rank < 0:
-            raise ValueError("lora_rank must be >= 0 (0 = train every weight)")
+        for names, low, strict in ((AT_LEAST_ONE, 1, False), (NON_NEGATIVE, 0, False), (POSITIVE, 0, True)):
+            for name in names:
+                value = getattr(self, name)
+                if value is not None and (value <= low if strict else value < low):
+                    rule = f"> {low}" if strict else f">= {low}"
+                    raise ValueError(f"{name} (--{name.replace('_', '-')}) must be {rule}, got {value}")
+        if self.valid_candidates < 2:
+            n = self.valid_candidates
+            raise ValueError(f"valid_candidates (--valid-candidates) must be >= 2, got {n}")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ValueError(f"warmup_ratio (--warmup-ratio) must be in [0, 1), got {self.warmup_ratio}")
         if self.lora_rank and (self.init_bi or self.init_cross):
             raise ValueError("lora_rank adapts the base model; it cannot start from --init-bi/--init-cross")
-        if self.num_negatives < 1 or self.batch_size < 1 or self.grad_accum < 1:
-            raise ValueError("num_negatives, batch_size and grad_accum must be >= 1")
-        chosen = {
-            "hard_negatives": self.hard_negatives,
-            "own_turn_negatives": self.own_turn_negatives,
-            "paraphrase_negatives": self.paraphrase_negatives,
-        }
-        if min(chosen.values()) < 0 or self.max_batch_tokens < 0:
-            raise ValueError(f"{', '.join(chosen)} and max_batch_tokens must be >= 0")
-        if sum(chosen.values()) > self.num_negatives:
+        chosen = ("hard_negatives", "own_turn_negatives", "paraphrase_negatives")
+        if sum(getattr(self, name) for name in chosen) > self.num_negatives:
             raise ValueError(f"{' + '.join(chosen)} cannot exceed num_negatives ({self.num_negatives})")
 
     @property

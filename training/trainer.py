@@ -15,6 +15,7 @@ and trains on its slice, so the gradient equals the single-process gradient of t
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -41,6 +42,8 @@ from evaluation.protocols import evaluate_lists, protocol_a_lists
 from training.config import TrainConfig
 from training.losses import kl_to_target, listwise_ce
 from training.sampling import HardNegativeMiner, epoch_order, own_turn_negatives, step_rng
+
+log = logging.getLogger(__name__)
 
 
 class StepLosses:
@@ -148,6 +151,16 @@ class Trainer:
     def __init__(
         self, config: TrainConfig, train: Sequence[Pair], valid: Sequence[Pair], negative_pool: Sequence[str]
     ) -> None:
+        self.sampler = NegativeSampler(negative_pool)
+        if config.num_negatives > self.sampler.capacity:
+            log.warning(
+                "--num-negatives %d, but the training pool has %d distinct responses: %d negatives per list "
+                "(a list never holds a copy of its gold)",
+                config.num_negatives,
+                self.sampler.distinct,
+                self.sampler.capacity,
+            )
+            config = replace(config, num_negatives=self.sampler.capacity)
         self.cfg = config
         self.rank, self.world = _world()
         self.device = resolve_device(config.device)
@@ -157,7 +170,6 @@ class Trainer:
         torch.manual_seed(config.seed)
         self.train_pairs = list(train)
         self.valid_pairs = list(valid)[: config.valid_size]
-        self.sampler = NegativeSampler(negative_pool)
         self.valid_lists = (
             protocol_a_lists(
                 self.valid_pairs, [p.response for p in valid], config.valid_candidates, seed=config.seed
@@ -557,6 +569,13 @@ class Trainer:
             self.out.mkdir(parents=True, exist_ok=True)
             write_json_atomic(self.out / "train_config.json", asdict(cfg))
         resumed = self.load_state()
+        if resumed and self.step >= self.total_steps:
+            log.warning(
+                "%s is already trained to step %d of %d: raise --max-steps (or --epochs) to train further",
+                self.out,
+                self.step,
+                self.total_steps,
+            )
         if not resumed and self.valid_pairs:
             valid = self.validate()
             self._log({"step": 0, "examples_seen": 0, "valid": valid})

@@ -159,11 +159,11 @@ def test_index_build_add_verify(tmp_path, tiny_core):
         "index", "build", "-o", str(out), "--bi", str(tiny_core / "bi"), "--pool", str(pool), "--onnx", "none"
     )
     assert built.returncode == 0, built.stderr
-    assert "2 responses" in built.stdout
+    assert "2 responses" in built.stdout and "1 of the pool's 3 texts were blank or repeats" in built.stdout
     more = tmp_path / "more.jsonl"
     more.write_text('{"text": "see you soon"}\n')
     added = coreply("index", "add", str(out), str(more))
-    assert added.returncode == 0 and "3 responses" in added.stdout, added.stderr
+    assert added.returncode == 0 and "3 responses: 1 added, 0 skipped" in added.stdout, added.stderr
     assert "ok (version" in coreply("index", "verify", str(out)).stdout
     (out / "responses.jsonl").write_text("tampered\n")
     result = coreply("index", "verify", str(out))
@@ -180,4 +180,4 @@ def test_index_build_add_verify(tmp_path, tiny_core):
         "--factory",
         "Bogus7",
     )
-    assert bad.returncode == 2 and "factory string 'Bogus7'" in bad.stderr and "Traceback" not in bad.stderr
+    assert bad.returncode == 2 and "--factory 'Bogus7'" in bad.stderr and "Traceback" not in bad.stderr

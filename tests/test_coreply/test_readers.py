@@ -74,8 +74,10 @@ def test_dstc7_errors_name_the_example_and_field(tmp_path):
 def test_pool_reader_and_unknown_formats(tmp_path):
     txt = tmp_path / "pool.txt"
     txt.write_text("one\n\ntwo\n")
-    assert read_pool(txt) == ["one", "two"]
+    assert read_pool(txt) == (["one", "two"], [{}, {}])
     jl = tmp_path / "pool.jsonl"
+    jl.write_text('{"text": "one", "id": "faq-1", "intent": "greet"}\n{"text": "two"}\n')
+    assert read_pool(jl) == (["one", "two"], [{"id": "faq-1", "intent": "greet"}, {}])
     jl.write_text('{"text": "one"}\n{"txt": "two"}\n')
     with pytest.raises(DataError, match=r"pool.jsonl:2: field 'text'"):
         read_pool(jl)
@@ -83,3 +85,12 @@ def test_pool_reader_and_unknown_formats(tmp_path):
         read_pairs(txt)
     with pytest.raises(DataError, match="no such file"):
         read_pairs(tmp_path / "missing.jsonl")
+
+
+def test_files_that_are_not_utf8_are_named_not_a_codec_traceback(tmp_path):
+    for name in ("pairs.jsonl", "pool.txt"):
+        path = tmp_path / name
+        path.write_bytes(b'{"context": ["caf\xe9"], "response": "ok"}\n')
+        reader = read_pairs if name.endswith(".jsonl") else read_pool
+        with pytest.raises(DataError, match=f"{name}: not UTF-8 text"):
+            reader(path)

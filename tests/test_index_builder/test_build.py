@@ -70,7 +70,7 @@ def test_manifest_disagreeing_with_contents_is_refused(copy):
     with pytest.raises(BundleError, match="index holds 13 vectors, manifest says 14"):
         load_bundle(copy)
     (copy / MANIFEST).write_text("{not json")
-    with pytest.raises(BundleError, match="invalid JSON"):
+    with pytest.raises(BundleError, match=r"manifest\.json: not valid UTF-8 JSON"):
         load_bundle(copy)
     (copy / MANIFEST).unlink()
     with pytest.raises(BundleError, match="not a coreply bundle"):
@@ -91,7 +91,7 @@ def test_swapped_model_is_refused(copy, tiny_core):
 
 
 def test_failed_build_leaves_nothing_behind(tmp_path, tiny_core):
-    with pytest.raises(ValueError, match="factory string"):
+    with pytest.raises(ValueError, match="--factory 'NoSuch99': FAISS cannot build it"):
         build_bundle(tmp_path / "b", toy_pool(), bi=str(tiny_core / "bi"), factory="NoSuch99", progress=False)
     assert list(tmp_path.iterdir()) == []
 
@@ -129,11 +129,23 @@ def test_ann_index_reports_recall_and_serves(tmp_path, tiny_core, toy_pairs, fac
     assert len(set(ids[0])) == 5 and ids[0].min() >= 0
 
 
-def test_too_few_vectors_for_the_factory_is_a_clear_error(tmp_path, tiny_core):
-    with pytest.raises(ValueError, match="could not train"):
-        build_bundle(
-            tmp_path / "b", toy_pool(), bi=str(tiny_core / "bi"), factory="IVF256,Flat", progress=False
-        )
+def test_index_specs_that_cannot_work_are_refused_before_the_pool_is_encoded(
+    tmp_path, tiny_core, monkeypatch
+):
+    def never(*args, **kwargs):
+        raise AssertionError("the pool was encoded before the index spec was checked")
+
+    monkeypatch.setattr("index_builder.build.encode_pool", never)
+    for factory, params, says in (
+        ("IVF256,Flat", "", "256 inverted lists for 13 responses; use fewer"),
+        ("HNSW8", "nprobe=4", "--search-params 'nprobe=4' do not fit this index"),
+        ("Bogus", "", "--factory 'Bogus': FAISS cannot build it"),
+    ):
+        with pytest.raises(ValueError, match=says):
+            build_bundle(
+                tmp_path / "b", toy_pool(), bi=str(tiny_core / "bi"), factory=factory, search_params=params,
+                progress=False,
+            )  # fmt: skip
 
 
 def test_add_appends_without_re_encoding(tmp_path, tiny_bundle, toy_pairs):

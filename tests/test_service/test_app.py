@@ -547,3 +547,51 @@ def test_cascade_is_reported_in_the_response_and_metrics(tiny_bundle, enabled):
     else:
         assert r["degraded"] is None and r["fusion"] == "sum" and r["n_candidates"] == 8
         assert "coreply_degraded_requests_total 0.0" in metrics
+
+
+def test_pool_metadata_reaches_the_answer(tmp_path, tiny_core):
+    """A team's ids and intents from the pool file come back with each response ({} stays null)."""
+    answers = [a for _, a in TOPICS.values()]
+    metadata = [
+        {"id": f"faq-{i}", "intent": name} if name != "sport" else {} for i, name in enumerate(TOPICS)
+    ]
+    build_bundle(
+        tmp_path / "b", answers, bi=str(tiny_core / "bi"), onnx="none", progress=False, metadata=metadata
+    )
+    with TestClient(create_app(Settings(bundle=tmp_path / "b", threads=1))) as c:
+        pet = c.post("/respond", json={"context": [TOPICS["pet"][0]]}).json()["responses"][0]
+        assert pet["text"] == TOPICS["pet"][1] and pet["metadata"] == {"id": "faq-1", "intent": "pet"}
+        sport = c.post("/respond", json={"context": [TOPICS["sport"][0]]}).json()["responses"][0]
+        assert sport["text"] == TOPICS["sport"][1] and sport["metadata"] is None
+
+
+def test_fallback_when_no_response_is_similar_enough(tiny_bundle):
+    settings = Settings(
+        bundle=tiny_bundle, threads=1, min_retrieval_score=1e6, fallback_text="Let me get a human."
+    )
+    with TestClient(create_app(settings)) as c:
+        body = c.post("/respond", json={"context": ["do you have a pet ?"], "top_k": 3}).json()
+        assert body["responses"] == [] and body["fallback"] == "Let me get a human."
+        assert "coreply_fallback_responses_total 1.0" in c.get("/metrics").text
+        lenient = c.post("/respond", json={"context": ["hi"], "top_k": 3, "min_retrieval_score": -1e6}).json()
+        assert len(lenient["responses"]) == 3 and lenient["fallback"] is None
+        some = c.post("/respond", json={"context": ["hi"], "top_k": 3, "min_retrieval_score": None}).json()
+        assert len(some["responses"]) == 3  # null: no threshold for this request
+        cut = lenient["responses"][1]["retrieval_score"]  # keeps the first two only
+        kept = c.post("/respond", json={"context": ["hi"], "top_k": 3, "min_retrieval_score": cut}).json()
+        assert [r["id"] for r in kept["responses"]] == [r["id"] for r in lenient["responses"][:2]]
+        bad = c.post("/respond", json={"context": ["hi"], "min_retrieval_score": "high"})
+        assert bad.status_code == 422 and "min_retrieval_score" in bad.text
+
+
+def test_api_docs_and_chat_page_are_served_without_a_cdn(client):
+    docs = client.get("/docs")
+    assert docs.status_code == 200 and "/assets/swagger/swagger-ui-bundle.js" in docs.text
+    assert "cdn" not in docs.text.lower() and "https://" not in docs.text.replace("https://fastapi", "")
+    for asset in ("swagger-ui-bundle.js", "swagger-ui.css"):
+        assert client.get(f"/assets/swagger/{asset}").status_code == 200
+    chat = client.get("/chat")
+    assert chat.status_code == 200 and chat.headers["content-type"].startswith("text/html")
+    assert 'fetch("respond"' in chat.text and "https://" not in chat.text
+    schema = client.get("/openapi.json").json()
+    assert "min_retrieval_score" in json.dumps(schema) and "metadata" in json.dumps(schema)

@@ -195,7 +195,8 @@ def test_resume_continues_exactly_where_an_interrupted_run_stopped(
 
 
 def test_early_stopping_after_patience_evaluations_without_a_new_best(tmp_path, tiny_model_dir, toy_pairs):
-    cfg = config(tmp_path, tiny_model_dir, mode="core", lr=0.0, max_steps=20, eval_every=2, patience=2)
+    # lr 1e-30: every update is below float32 resolution, so validation never improves
+    cfg = config(tmp_path, tiny_model_dir, mode="core", lr=1e-30, max_steps=20, eval_every=2, patience=2)
     summary = Trainer(cfg, toy_pairs, toy_pairs[:8], pool_of(toy_pairs)).fit()
     assert summary["stopped_early"] and summary["steps"] == 4
 
@@ -209,6 +210,8 @@ def test_config_errors():
         TrainConfig(mode="adversarial")
     with pytest.raises(ValueError, match="cannot start from"):
         TrainConfig(lora_rank=8, init_bi="runs/x/bi")
+    with pytest.raises(ValueError, match=r"warmup_ratio \(--warmup-ratio\) must be in \[0, 1\)"):
+        TrainConfig(warmup_ratio=1.0)
 
 
 def test_negative_sampler_never_returns_the_positive():
@@ -218,6 +221,46 @@ def test_negative_sampler_never_returns_the_positive():
         negatives = sampler.sample("YES", 3, rng)
         assert "yes" not in {normalize(n) for n in negatives}
         assert len({normalize(n) for n in negatives}) == 3
+
+
+def test_negative_sampler_on_a_small_pool_never_repeats_and_refuses_more_than_it_has():
+    """25 distinct responses, many copies each (a support bot's canned replies): a list of 24 negatives
+    holds every other response once and never the gold; 25 cannot be drawn."""
+    pool = [f"answer {i % 25}" for i in range(350)]
+    sampler = NegativeSampler(pool)
+    assert sampler.capacity == 24
+    rng = np.random.default_rng(0)
+    for gold in ("answer 3", "ANSWER 3 "):
+        keys = {normalize(n) for n in sampler.sample(gold, 24, rng)}
+        assert len(keys) == 24 and "answer 3" not in keys
+    assert len({normalize(n) for n in sampler.sample("not in the pool", 25, rng)}) == 25
+    with pytest.raises(ValueError, match="only 24 distinct"):
+        sampler.sample("answer 3", 25, rng)
+
+
+def test_small_data_caps_negatives_and_protocol_a_lists_with_a_message(tiny_model_dir, tmp_path, caplog):
+    """Fewer distinct responses than --num-negatives / --valid-candidates: lists as long as the data
+    allows (said in the log and recorded in train_config.json), none holding a copy of its gold."""
+    from coreply.corpus import Pair
+    from evaluation.protocols import protocol_a_lists
+
+    pairs = [Pair(("question", f"about {i % 5}"), f"reply {i % 5}", str(i)) for i in range(40)]
+    with caplog.at_level("WARNING"):
+        lists = protocol_a_lists(pairs, [p.response for p in pairs], size=100)
+    assert "lists of 5 instead" in caplog.text
+    assert all(len(c) == 5 and len({normalize(t) for t in c}) == 5 for c in lists)
+    config = TrainConfig(
+        output_dir=str(tmp_path / "run"), model=ModelConfig(base_model=str(tiny_model_dir)), num_negatives=32,
+        max_steps=2, eval_every=2, valid_size=8, valid_candidates=100, device="cpu", prefetch=False,
+    )  # fmt: skip
+    with caplog.at_level("WARNING"):
+        trainer = Trainer(config, pairs, pairs[:8], [p.response for p in pairs])
+    assert "--num-negatives 32, but the training pool has 5 distinct responses: 4 negatives" in caplog.text
+    assert trainer.cfg.num_negatives == 4
+    lists = trainer._candidate_lists(pairs[:8], np.random.default_rng(0))
+    assert all(len(c) == 5 and len({normalize(t) for t in c}) == 5 for c in lists)
+    trainer.fit()
+    assert json.loads((tmp_path / "run" / "train_config.json").read_text())["num_negatives"] == 4
 
 
 def test_hard_negative_miner_takes_the_retrievers_top_candidates_except_the_gold(tiny_model_dir, toy_pairs):

@@ -1,0 +1,91 @@
+"""The Python API: a bundle's whole answer path in one object, in-process, for scripts, notebooks and
+``coreply chat``. It ranks exactly as ``POST /respond`` does (the same :class:`~coreply.ranking.Pipeline`),
+without the service's batching, limits and metrics::
+
+    from coreply import Responder
+
+    bot = Responder.load("artifacts/default-bundle")
+    for reply in bot.respond(["hi!", "hey, how was your weekend?"], top_k=3):
+        print(reply.score, reply.text, reply.metadata)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from coreply.bundle import Bundle, load_bundle, make_backend, pipeline, search_on
+from coreply.ranking import FUSIONS, Candidates, Query, order
+
+
+@dataclass(frozen=True)
+class Reply:
+    id: int  # row in the bundle (what ``exclude_ids`` takes)
+    text: str
+    score: float  # under the fusion used
+    retrieval_score: float
+    rerank_score: float | None
+    metadata: dict[str, Any]  # the pool file's other fields for this response ({} if none)
+
+
+class Responder:
+    def __init__(self, bundle: Bundle, backend: Any) -> None:
+        self.bundle, self.backend = bundle, backend
+        self.pipeline = pipeline(bundle, backend)
+        self.default_fusion = "zscore" if self.pipeline.reranker else "retrieval"
+
+    @classmethod
+    def load(
+        cls, path: str | Path, backend: str = "auto", device: str = "cpu", threads: int = 1
+    ) -> Responder:
+        """Load and verify the bundle at ``path``; ``backend`` is ``auto`` (ONNX when exported), ``onnx``
+        or ``torch``."""
+        bundle = search_on(load_bundle(path), device)
+        return cls(bundle, make_backend(bundle, backend, threads, device))
+
+    def respond(
+        self,
+        context: Sequence[str],
+        top_k: int = 1,
+        n_candidates: int = 10,
+        fusion: str | None = None,
+        exclude_ids: Sequence[int] = (),
+        exclude_texts: Sequence[str] = (),
+    ) -> list[Reply]:
+        """The best ``top_k`` of ``n_candidates`` recalled for ``context`` (oldest utterance first), never
+        a copy of a context turn nor an excluded response; reranked and fused unless ``fusion`` is
+        ``retrieval`` (default: z-score fusion with a rerank stage, else retrieval)."""
+        fusion = fusion or self.default_fusion
+        if fusion not in FUSIONS:
+            raise ValueError(f"fusion must be one of {FUSIONS}, got {fusion!r}")
+        if fusion != "retrieval" and self.pipeline.reranker is None:
+            raise ValueError(f"fusion {fusion!r} needs a rerank stage and this bundle has none")
+        if not context or top_k < 1 or n_candidates < top_k:
+            raise ValueError("need a non-empty context and 1 <= top_k <= n_candidates")
+        query = Query(tuple(context), tuple(exclude_texts), frozenset(exclude_ids))
+        (candidates,) = self.pipeline.recall([query], [n_candidates])
+        if fusion != "retrieval" and len(candidates.ids):
+            self.pipeline.rerank([query], [candidates], n_candidates)
+        positions, final = order(candidates, fusion, n_candidates, self.pipeline.weight)
+        return replies(self.bundle, candidates, positions[:top_k], final)
+
+
+def replies(bundle: Bundle, candidates: Candidates, positions: np.ndarray, final: np.ndarray) -> list[Reply]:
+    """The candidates at ``positions`` (best first, as :func:`~coreply.ranking.order` gives them, with
+    their ``final`` scores) as replies."""
+    rerank = candidates.rerank
+    return [
+        Reply(
+            id=int(candidates.ids[j]),
+            text=bundle.texts[candidates.ids[j]],
+            score=float(score),
+            retrieval_score=float(candidates.retrieval[j]),
+            rerank_score=None if rerank is None else float(rerank[j]),
+            metadata=bundle.metadata[candidates.ids[j]],
+        )
+        for j, score in zip(positions, final, strict=False)
+    ]

@@ -1,0 +1,72 @@
+"""``coreply index info``: what a bundle holds, read from its manifest and its files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from coreply.bundle import read_manifest
+
+
+def _size(path: Path) -> int:
+    return (
+        sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        if path.is_dir()
+        else path.stat().st_size
+    )
+
+
+def _model(entry: dict[str, Any] | None) -> str:
+    if entry is None:
+        return "none (retrieval only)"
+    training = entry.get("training", {})
+    config = training.get("train_config", {})
+    parts = [f"sha256 {entry['content_hash'][:12]}"]
+    if config:
+        parts.append(f"{config.get('mode')} mode, step {training.get('step')}")
+    valid = training.get("valid", {})
+    scores = {k: v["hits@1"] for k, v in valid.items() if isinstance(v, dict) and "hits@1" in v}
+    if scores:
+        parts.append("validation hits@1 " + ", ".join(f"{k} {v:.1f}" for k, v in scores.items()))
+    return f"{entry['source']} ({'; '.join(parts)})"
+
+
+def describe(path: str | Path) -> list[tuple[str, str]]:
+    """(label, value) lines describing the bundle at ``path`` (its hashes verified first)."""
+    root = Path(path)
+    m = read_manifest(root)
+    build, index = m["build"], m["index"]
+    added = sum(a["added"] for a in m.get("additions", []))
+    recall = ", ".join(f"{k} {v}" for k, v in index["recall_vs_exact"].items()) or "not measured"
+    fusion = m.get("fusion")
+    sizes = {name: _size(root / name) for name in sorted({f.split("/")[0] for f in m["files"]})}
+    lines = [
+        ("bundle", f"{root} (version {m['bundle_version']}, {m['format']}, built {build['created']})"),
+        (
+            "pool",
+            f"{index['count']:,} responses from {build['pool_source'] or 'texts'} "
+            f"({build['dropped_duplicates_or_blank']:,} repeats or blanks dropped; {added:,} added since)",
+        ),
+        (
+            "index",
+            f"{index['factory']}, {index['metric']}, dim {index['dim']}, search params "
+            f"{index['search_params'] or 'default'}; recall vs exact: {recall}",
+        ),
+        ("retriever", _model(m["models"]["bi"])),
+        ("reranker", _model(m["models"].get("cross"))),
+        (
+            "fusion",
+            f"z-score weight {fusion['zscore_weight']} ({fusion['calibrated_on']})"
+            if fusion
+            else "default weight",
+        ),
+        ("encoder", f"{m['encoder']}; built on {build['host']} in {build['total_seconds']} s"),
+        (
+            "size",
+            ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in sizes.items())
+            + f"; total {sum(sizes.values()) / 1e6:.1f} MB",
+        ),
+    ]
+    if build.get("command"):
+        lines.append(("built by", build["command"]))
+    return lines

@@ -1,0 +1,167 @@
+"""A team's first day with its own data: every trap a new user met (issue 15) is refused with one line that
+names the flag or file, or handled and said. In-process (``cli.main.main``) so the suite stays fast."""
+
+import json
+
+import pytest
+import torch
+
+from cli.main import build_parser, main
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    """Exit code, stdout, stderr of ``coreply ARGV`` (argparse's own errors exit with 2 too)."""
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.fixture
+def own_data(tmp_path, toy_pairs):
+    """pairs.jsonl (the toy dialogues) and pool.jsonl (their replies with the team's ids and intents)."""
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(
+        "".join(json.dumps({"context": list(p.context), "response": p.response}) + "\n" for p in toy_pairs)
+    )
+    pool = tmp_path / "pool.jsonl"
+    answers = sorted({p.response for p in toy_pairs})
+    pool.write_text(
+        "".join(
+            json.dumps({"text": t, "id": f"faq-{i}", "intent": t.split()[0]}) + "\n"
+            for i, t in enumerate(answers)
+        )
+    )
+    return pairs, pool
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["train", "-o", "R", "--eval-every", "0"], "eval_every (--eval-every) must be >= 1, got 0"),
+        (["train", "-o", "R", "--max-steps", "-5"], "(--max-steps) must be >= 1, got -5"),
+        (["train", "-o", "R", "--epochs", "0"], "(--epochs) must be >= 1, got 0"),
+        (["train", "-o", "R", "--lr", "0"], "(--lr) must be > 0"),
+        (["train", "-o", "R", "--device", "tpu"], "device 'tpu' is not one of auto, cpu, cuda, cuda:N"),
+        (["index", "build", "-o", "R", "--device", "tpu"], "device 'tpu' is not one of"),
+        (["serve", "--device", "tpu"], "--device / COREPLY_DEVICE: device 'tpu' is not one of"),
+        (["serve", "--port", "99999"], "--port / COREPLY_PORT: Input should be less than or equal to 65535"),
+        (["eval", "--bi", "zero-shot", "--out", "e.json", "--limit", "-3"], "argument --limit: must be >= 0"),
+        (["eval", "--bi", "zero-shot", "--out", "e.json", "--candidates", "1"], "--candidates: must be >= 2"),
+        (["index", "build", "-o", "R", "--calibrate", "-1"], "argument --calibrate: must be >= 0"),
+    ],
+)
+def test_nonsense_values_are_refused_in_one_line_naming_the_flag(capsys, tmp_path, monkeypatch, argv, says):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and says in err, err
+    assert err.strip().splitlines()[-1].count(says) == 1 and "Traceback" not in err
+    assert not (tmp_path / "R").exists()  # nothing was started
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this host has CUDA")
+def test_cuda_on_a_host_without_it_is_a_message_not_a_traceback_in_a_log_line(capsys):
+    code, _, err = run(capsys, "serve", "--device", "cuda")
+    assert code == 2 and err.count("\n") == 1 and "this host has no CUDA: use cpu or auto" in err
+
+
+def test_a_corrupted_manifest_names_the_file(capsys, tiny_bundle, tmp_path):
+    import shutil
+
+    bundle = tmp_path / "b"
+    shutil.copytree(tiny_bundle, bundle)
+    (bundle / "manifest.json").write_bytes(b"\xff\xfe garbage")
+    for argv in (
+        ["index", "verify", str(bundle)],
+        ["index", "info", str(bundle)],
+        ["serve", "--bundle", str(bundle)],
+    ):
+        code, _, err = run(capsys, *argv)
+        assert code == 2 and f"{bundle}/manifest.json: not valid UTF-8 JSON" in err, err
+
+
+def test_every_train_and_eval_flag_has_help_and_shows_its_default():
+    parser = build_parser()
+    commands = {a.dest: a for a in parser._actions if a.dest == "command"}["command"].choices
+    index = {a.dest: a for a in commands["index"]._actions}["index_command"].choices
+    for command in (*(commands[n] for n in ("train", "eval", "serve", "chat")), *index.values()):
+        actions = [a for a in command._actions if a.option_strings and a.dest != "help"]
+        assert all(a.help for a in actions), [a.dest for a in actions if not a.help]
+    train_help = commands["train"].format_help()
+    assert (
+        "(default: 32)" in train_help and "(default: 100)" in train_help
+    )  # --num-negatives, --valid-candidates
+
+
+def test_training_into_an_existing_run_needs_resume_or_overwrite(capsys, tmp_path, tiny_model_dir, own_data):
+    pairs, _ = own_data
+    out = tmp_path / "run"
+    data = ["--data", str(pairs), "--valid-data", str(pairs), "--base-model", str(tiny_model_dir)]
+    recipe = ["--num-negatives", "3", "--batch-size", "4", "--valid-size", "8", "--valid-candidates", "4"]
+    base = ["train", *data, *recipe, "--eval-every", "2", "--device", "cpu", "-o", str(out)]
+    assert run(capsys, *base, "--max-steps", "2")[0] == 0
+    weights = (out / "state" / "bi" / "model.safetensors").read_bytes()
+    recorded = (out / "train_config.json").read_text()
+
+    code, _, err = run(capsys, *base, "--max-steps", "2")
+    assert code == 2 and "already holds a run; pass --resume to continue it or --overwrite" in err
+    code, _, err = run(capsys, *base, "--max-steps", "4", "--lr", "1e-3", "--resume")
+    assert code == 2 and "--resume: --lr differ from the run" in err
+    assert (out / "train_config.json").read_text() == recorded  # neither rewrote the record
+
+    code, out_text, _ = run(capsys, *base, "--max-steps", "4", "--resume")  # a bigger budget: goes on
+    assert code == 0 and json.loads(out_text)["steps"] == 4
+    assert (out / "state" / "bi" / "model.safetensors").read_bytes() != weights
+
+    code, out_text, _ = run(capsys, *base, "--max-steps", "2", "--overwrite")  # starts again from step 0
+    assert code == 0 and json.loads(out_text)["steps"] == 2
+    assert json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["step"] == 0
+
+    code, _, err = run(capsys, "train", *data, "-o", str(tmp_path / "new"), "--resume")
+    assert code == 2 and "--resume: no run in" in err
+
+
+def test_own_data_end_to_end_pool_metadata_eval_and_info(capsys, caplog, tmp_path, tiny_core, own_data):
+    """Build a bundle from the team's pool (ids and intents kept), calibrate on its pairs, evaluate on its
+    own test file against its own pool (no --split), describe the bundle."""
+    pairs, pool = own_data
+    bundle = tmp_path / "bundle"
+    code, out, err = run(
+        capsys, "index", "build", "-o", str(bundle), "--bi", str(tiny_core / "bi"),
+        "--cross", str(tiny_core / "cross"), "--pool", str(pool), "--queries", str(pairs),
+        "--calibrate", "16", "--onnx", "none",
+    )  # fmt: skip
+    assert code == 0, err
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert manifest["fusion"]["calibrated_on"].startswith("16 held-out pairs")
+    assert manifest["build"]["command"].startswith("coreply index build -o")
+
+    from coreply.responder import Responder
+
+    records = [json.loads(line) for line in pool.read_text().splitlines()]
+    reply = Responder.load(bundle).respond(["hello", "do you have a pet ?"])[0]
+    assert reply.text == "yes i have a dog and a cat"
+    assert reply.metadata == next(
+        {"id": r["id"], "intent": "yes"} for r in records if r["text"] == reply.text
+    )
+
+    code, out, err = run(capsys, "index", "info", str(bundle))
+    assert (
+        code == 0
+        and "8 responses from" in out
+        and "fusion" in out
+        and "built by   coreply index build" in out
+    )
+
+    result = tmp_path / "eval.json"
+    caplog.set_level("WARNING")
+    code, out, err = run(
+        capsys, "eval", "--bi", str(tiny_core / "bi"), "--data", str(pairs), "--pool", str(pool),
+        "--candidates", "100", "--n-r", "4", "--judge", "none", "--device", "cpu", "--out", str(result),
+    )  # fmt: skip
+    assert code == 0, err
+    meta = json.loads(result.read_text())["meta"]
+    assert meta["test_pairs"] == 48 and meta["pool_size"] == 8 and meta["candidates_protocol_a"] == 8
+    assert "protocol A lists of 100 asked for, but the negative pool has 8 distinct responses" in caplog.text
