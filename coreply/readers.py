@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -28,9 +29,8 @@ def _string(value: Any, where: str, name: str) -> str:
     return value
 
 
-def read_jsonl(path: str | Path) -> list[Pair]:
-    """``{"context": [...], "response": "...", "negatives": [...]?}`` per line; blank lines skipped."""
-    pairs = []
+def _records(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(``file:line``, object) for every non-blank line of a JSONL file."""
     with open(path, encoding="utf-8") as fh:
         for number, line in enumerate(fh, 1):
             if not line.strip():
@@ -42,15 +42,22 @@ def read_jsonl(path: str | Path) -> list[Pair]:
                 raise DataError(f"{where}: invalid JSON ({exc.msg})") from exc
             if not isinstance(record, dict):
                 raise DataError(f"{where}: expected a JSON object")
-            negatives = record.get("negatives", [])
-            pairs.append(
-                Pair(
-                    _string_list(record.get("context"), where, "context"),
-                    _string(record.get("response"), where, "response"),
-                    str(record.get("conversation_id", "")),
-                    _string_list(negatives, where, "negatives") if negatives else (),
-                )
+            yield where, record
+
+
+def read_jsonl(path: str | Path) -> list[Pair]:
+    """``{"context": [...], "response": "...", "negatives": [...]?}`` per line; blank lines skipped."""
+    pairs = []
+    for where, record in _records(path):
+        negatives = record.get("negatives", [])
+        pairs.append(
+            Pair(
+                _string_list(record.get("context"), where, "context"),
+                _string(record.get("response"), where, "response"),
+                str(record.get("conversation_id", "")),
+                _string_list(negatives, where, "negatives") if negatives else (),
             )
+        )
     if not pairs:
         raise DataError(f"{path}: no records")
     return pairs
@@ -62,24 +69,15 @@ def read_pool(path: str | Path) -> tuple[list[str], list[dict[str, Any]]]:
     ``{}`` for ``.txt``), which the bundle keeps and ``/respond`` returns as ``metadata``."""
     texts: list[str] = []
     metadata: list[dict[str, Any]] = []
-    as_json = str(path).endswith(".jsonl")
-    with _utf8(str(path)), open(path, encoding="utf-8") as fh:
-        for number, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            if not as_json:
-                texts.append(line.rstrip("\n"))
-                metadata.append({})
-                continue
-            where = f"{path}:{number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{where}: invalid JSON ({exc.msg})") from exc
-            if not isinstance(record, dict):
-                raise DataError(f"{where}: expected a JSON object with a 'text' field")
-            texts.append(_string(record.pop("text", None), where, "text"))
-            metadata.append(record)
+    with _utf8(str(path)):
+        if str(path).endswith(".jsonl"):
+            for where, record in _records(path):
+                texts.append(_string(record.pop("text", None), where, "text"))
+                metadata.append(record)
+        else:
+            with open(path, encoding="utf-8") as fh:
+                texts = [line.rstrip("\n") for line in fh if line.strip()]
+            metadata = [{} for _ in texts]
     if not texts:
         raise DataError(f"{path}: empty pool")
     return texts, metadata
