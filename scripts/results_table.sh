@@ -14,9 +14,11 @@ mkdir -p "$RUNS" "$OUT"
 if [ "$SCALE" = gpu ]; then
   TRAIN=(--num-negatives 32 --batch-size 8 --epochs 1 --eval-every 2000 --valid-size 1000 --valid-candidates 100 --patience 3)
   EVAL=(--limit 0 --valid-limit 500 --n-r 10 50 100 200)
+  MAE=(--max-steps "${MAE_STEPS:-2000}" --batch-size 128)
 else
   TRAIN=(--num-negatives 7 --batch-size 8 --max-steps ${STEPS:-80} --eval-every 20 --valid-size 100 --valid-candidates 20 --device cpu)
   EVAL=(--limit ${LIMIT:-200} --valid-limit 100 --n-r 10 50 --pool-limit ${POOL:-10000} --device cpu)
+  MAE=(--max-steps "${MAE_STEPS:-400}" --batch-size 16 --device cpu)
 fi
 
 train() {  # name, extra args...
@@ -42,6 +44,16 @@ evaluate mutual --bi "$RUNS/mutual/bi" --cross "$RUNS/mutual/cross"
 # Beyond the paper: CORE with retriever-mined hard negatives for the candidate lists.
 train core-hard --mode core --hard-negatives ${HARD:-3} --hard-pool ${HARD_POOL:-5000} --hard-refresh ${HARD_REFRESH:-40}
 evaluate core-hard --bi "$RUNS/core-hard/bi" --cross "$RUNS/core-hard/cross"
+
+# Dial-MAE (issue #16): post-train the encoder, then the same retriever fine-tuning from it and from the
+# base model, at equal budget.
+if [ ! -f "$RUNS/dial-mae/summary.json" ]; then
+  echo "== pretrain dial-mae"; rm -rf "$RUNS/dial-mae"; coreply pretrain -o "$RUNS/dial-mae" "${MAE[@]}"
+fi
+train bi-base --mode independent --models bi
+train bi-dial-mae --mode independent --models bi --init-bi "$RUNS/dial-mae/bi"
+evaluate bi-base --bi "$RUNS/bi-base/bi"
+evaluate bi-dial-mae --bi "$RUNS/bi-dial-mae/bi"
 
 coreply report "$RUNS"/eval-*.json --runs "$RUNS"/*/summary.json --scale "$SCALE" \
   --out "$OUT/results-$SCALE.md" --plot "$OUT/nr-sweep-$SCALE.png" --curves "$OUT/curves-$SCALE.png"

@@ -136,7 +136,7 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
-def _scheduler(optimizer: torch.optim.Optimizer, total: int, warmup_ratio: float):
+def warmup_linear(optimizer: torch.optim.Optimizer, total: int, warmup_ratio: float):
     warmup = max(1, int(total * warmup_ratio))
 
     def factor(step: int) -> float:
@@ -194,7 +194,7 @@ class Trainer:
                 trainable, lr=config.lr, weight_decay=config.weight_decay, fused=self.device.type == "cuda"
             )
             self.optimizers[name] = opt
-            self.schedulers[name] = _scheduler(opt, self.total_steps, config.warmup_ratio)
+            self.schedulers[name] = warmup_linear(opt, self.total_steps, config.warmup_ratio)
             self.wrapped[name] = DistributedDataParallel(model) if self.world > 1 else model
         mined = config.hard_negatives + config.paraphrase_negatives
         self.miner = (
