@@ -122,12 +122,16 @@ class DialMAE(nn.Module):
         response_ids: torch.Tensor,
         response_mask: torch.Tensor,
         response_labels: torch.Tensor,
+        other_context: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Masked context [N, Lc] and masked response [N, Lr] (with their masks and labels) -> (encoder
-        MLM loss, decoder MLM loss)."""
+        MLM loss, decoder MLM loss). ``other_context``: each response gets the next row's context vector
+        (a diagnostic: how much the decoder relies on the right one)."""
         tower = self.bi.context_tower
         hidden = tower(input_ids=context_ids, attention_mask=context_mask).last_hidden_state  # [N, Lc, H]
         vector = pool(hidden, context_mask, self.bi.config.pooling)  # [N, H]
+        if other_context:
+            vector = vector.roll(1, dims=0)
         words = tower.embeddings(input_ids=response_ids)  # [N, Lr, H]
         x = torch.cat([vector[:, None].to(words.dtype), words[:, 1:]], dim=1)  # [N, Lr, H]
         padding = response_mask == 0  # [N, Lr]
@@ -154,6 +158,20 @@ def pretrain(config: DialMAEConfig, pairs: Sequence[Pair]) -> dict[str, Any]:
     mask_id = bi.tokenizer.hf.mask_token_id
     rng = np.random.default_rng([config.seed, 13])
     generator = torch.Generator().manual_seed(config.seed)
+
+    def masked(batch: Sequence[Pair], gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+        """The model's inputs for ``batch``, masked at the configured rates, on the device."""
+        ctx = bi.tokenizer.contexts([p.context for p in batch])
+        resp = bi.tokenizer.responses([p.response for p in batch])
+        ctx_ids, ctx_labels = mask_tokens(
+            ctx.input_ids, ~torch.isin(ctx.input_ids, special), config.enc_mask, mask_id, gen
+        )
+        resp_ids, resp_labels = mask_tokens(
+            resp.input_ids, ~torch.isin(resp.input_ids, special), config.dec_mask, mask_id, gen
+        )
+        tensors = (ctx_ids, ctx.attention_mask, ctx_labels, resp_ids, resp.attention_mask, resp_labels)
+        return tuple(t.to(device) for t in tensors)
+
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out / "pretrain_config.json", json.loads(json.dumps(asdict(config))))
@@ -161,18 +179,8 @@ def pretrain(config: DialMAEConfig, pairs: Sequence[Pair]) -> dict[str, Any]:
     with open(out / "metrics.jsonl", "w") as log:
         for step in range(1, config.max_steps + 1):
             chosen = rng.choice(len(pairs), size=min(config.batch_size, len(pairs)), replace=False)
-            batch = [pairs[i] for i in chosen]
-            ctx = bi.tokenizer.contexts([p.context for p in batch])
-            resp = bi.tokenizer.responses([p.response for p in batch])
-            ctx_ids, ctx_labels = mask_tokens(
-                ctx.input_ids, ~torch.isin(ctx.input_ids, special), config.enc_mask, mask_id, generator
-            )
-            resp_ids, resp_labels = mask_tokens(
-                resp.input_ids, ~torch.isin(resp.input_ids, special), config.dec_mask, mask_id, generator
-            )
-            tensors = (ctx_ids, ctx.attention_mask, ctx_labels, resp_ids, resp.attention_mask, resp_labels)
             with autocast(device):
-                enc_loss, dec_loss = model(*(t.to(device) for t in tensors))
+                enc_loss, dec_loss = model(*masked([pairs[i] for i in chosen], generator))
             optimizer.zero_grad(set_to_none=True)
             (enc_loss + dec_loss).backward()
             nn.utils.clip_grad_norm_(params, config.grad_clip)
@@ -184,6 +192,16 @@ def pretrain(config: DialMAEConfig, pairs: Sequence[Pair]) -> dict[str, Any]:
                 last = {"step": step, "enc_mlm": round(float(enc), 4), "dec_mlm": round(float(dec), 4)}
                 log.write(json.dumps(last) + "\n")
                 window = []
+    # Does the decoder read the context vector? Its loss with each reply's own context vs another's, on
+    # a fixed sample (same masks for both; dropout off).
+    model.eval()
+    sample = [pairs[i] for i in np.random.default_rng([config.seed, 17]).permutation(len(pairs))[:256]]
+    losses: dict[bool, list[float]] = {False: [], True: []}
+    with torch.no_grad(), autocast(device):
+        for start in range(0, len(sample), config.batch_size):
+            inputs = masked(sample[start : start + config.batch_size], torch.Generator().manual_seed(start))
+            for other in (False, True):
+                losses[other].append(model(*inputs, other_context=other)[1].item())
     if not config.model.share_towers:  # both towers start from the post-trained encoder
         bi.response_tower.load_state_dict(bi.context_tower.state_dict())
     summary = {
@@ -192,6 +210,8 @@ def pretrain(config: DialMAEConfig, pairs: Sequence[Pair]) -> dict[str, Any]:
         "examples_seen": config.max_steps * min(config.batch_size, len(pairs)),
         "train_seconds": round(time.perf_counter() - started, 1),
         "last": last,
+        "decoder_mlm_own_context": round(float(np.mean(losses[False])), 4),
+        "decoder_mlm_other_context": round(float(np.mean(losses[True])), 4),
         "device": str(device),
     }
     save_checkpoint(bi.eval(), out / "bi", {"pretrain": summary, "pretrain_config": asdict(config)})
