@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from coreply.config import ModelConfig
 
@@ -20,6 +21,26 @@ NON_NEGATIVE = (
     "valid_size", "weight_decay", "gamma_r", "gamma_g", "alpha",
 )  # fmt: skip
 POSITIVE = ("lr", "tau", "grad_clip", "lora_alpha")
+RULES: dict[str, tuple[Callable[[float], bool], str]] = {
+    "at_least_one": (lambda v: v >= 1, ">= 1"),
+    "non_negative": (lambda v: v >= 0, ">= 0"),
+    "positive": (lambda v: v > 0, "> 0"),
+    "fraction": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "share": (lambda v: 0 < v < 1, "in (0, 1)"),
+}
+
+
+def check_fields(config: Any, **groups: Sequence[str]) -> None:
+    """For each rule of :data:`RULES`, the named fields of ``config`` must obey it (``None``: unset, fine);
+    else a ValueError naming the field and its flag."""
+    for rule, names in groups.items():
+        test, text = RULES[rule]
+        for name in names:
+            value = getattr(config, name)
+            if value is not None and not test(value):
+                raise ValueError(f"{name} (--{name.replace('_', '-')}) must be {text}, got {value}")
+
+
 RESUMABLE = frozenset({"max_steps", "epochs", "patience", "eval_every", "log_every", "device", "prefetch"})
 """What ``coreply train --resume`` may change: the budget and the bookkeeping, never the recipe."""
 
@@ -122,17 +143,16 @@ class TrainConfig:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.mode == "distill" and not self.teacher:
             raise ValueError("mode 'distill' needs --teacher (a trained cross-encoder checkpoint)")
-        for names, low, strict in ((AT_LEAST_ONE, 1, False), (NON_NEGATIVE, 0, False), (POSITIVE, 0, True)):
-            for name in names:
-                value = getattr(self, name)
-                if value is not None and (value <= low if strict else value < low):
-                    rule = f"> {low}" if strict else f">= {low}"
-                    raise ValueError(f"{name} (--{name.replace('_', '-')}) must be {rule}, got {value}")
+        check_fields(
+            self,
+            at_least_one=AT_LEAST_ONE,
+            non_negative=NON_NEGATIVE,
+            positive=POSITIVE,
+            fraction=("warmup_ratio",),
+        )
         if self.valid_candidates < 2:
             n = self.valid_candidates
             raise ValueError(f"valid_candidates (--valid-candidates) must be >= 2, got {n}")
-        if not 0 <= self.warmup_ratio < 1:
-            raise ValueError(f"warmup_ratio (--warmup-ratio) must be in [0, 1), got {self.warmup_ratio}")
         if self.lora_rank and (self.init_bi or self.init_cross):
             raise ValueError("lora_rank adapts the base model; it cannot start from --init-bi/--init-cross")
         chosen = ("hard_negatives", "own_turn_negatives", "paraphrase_negatives")

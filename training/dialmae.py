@@ -32,6 +32,7 @@ from coreply.config import ModelConfig
 from coreply.corpus import Pair
 from coreply.device import autocast, resolve_device
 from coreply.models import BiEncoder, pool
+from training.config import check_fields
 
 
 @dataclass
@@ -54,18 +55,14 @@ class DialMAEConfig:
     def __post_init__(self) -> None:
         if isinstance(self.model, dict):
             self.model = ModelConfig.from_dict(self.model)
-        for name in ("enc_mask", "dec_mask"):
-            if not 0 < getattr(self, name) < 1:
-                raise ValueError(
-                    f"{name} (--{name.replace('_', '-')}) must be in (0, 1), got {getattr(self, name)}"
-                )
-        for name in ("decoder_layers", "batch_size", "max_steps", "log_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(
-                    f"{name} (--{name.replace('_', '-')}) must be >= 1, got {getattr(self, name)}"
-                )
-        if self.lr <= 0:
-            raise ValueError(f"lr (--lr) must be > 0, got {self.lr}")
+        check_fields(
+            self,
+            share=("enc_mask", "dec_mask"),
+            at_least_one=("decoder_layers", "batch_size", "max_steps", "log_every"),
+            positive=("lr", "grad_clip"),
+            non_negative=("weight_decay",),
+            fraction=("warmup_ratio",),
+        )
 
 
 def mask_tokens(
