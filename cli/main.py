@@ -1,5 +1,5 @@
-"""The ``coreply`` command: ``train``, ``pretrain``, ``eval``, ``report``, ``index`` (build / add / info /
-verify), ``serve``, ``chat``.
+"""The ``coreply`` command: ``train``, ``pretrain``, ``eval``, ``ground`` (train / eval), ``report``,
+``index`` (build / add / info / verify), ``serve``, ``chat``.
 
 Heavy modules are imported inside each subcommand so ``coreply --help`` stays instant."""
 
@@ -264,6 +264,175 @@ def _cmd_pretrain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ground_parser(sub) -> None:
+    from training.reciprocal import SELECTIONS, GroundedConfig
+
+    d = GroundedConfig()
+    p = sub.add_parser("ground", help="knowledge-grounded ranking: train (RecKGC and baselines), evaluate")
+    gsub = p.add_subparsers(dest="ground_command", required=True)
+    t = gsub.add_parser(
+        "train",
+        help="train a ranker that reads knowledge, and its knowledge retriever by reciprocal learning",
+        **DEFAULTS_SHOWN,
+    )
+    t.add_argument("--output-dir", "-o", required=True, help="run directory: cross/ (+ knowledge/)")
+    t.add_argument(
+        "--knowledge",
+        choices=SELECTIONS,
+        default=d.knowledge,
+        help="what the ranker reads: the retriever's top-m trained reciprocally, a frozen retriever's "
+        "top-m, all sentences as given, or none",
+    )
+    t.add_argument(
+        "--data",
+        default="chitchat",
+        help="'chitchat' (persona knowledge) or a JSONL file with 'knowledge' lists",
+    )
+    t.add_argument("--init-cross", default=None, help="start the ranker from this cross-encoder checkpoint")
+    t.add_argument(
+        "--init-retriever", default=None, help="start the knowledge retriever from this checkpoint"
+    )
+    t.add_argument("--top-m", type=at_least(1), default=d.top_m, help="knowledge sentences the ranker reads")
+    t.add_argument(
+        "--max-knowledge-tokens",
+        type=at_least(3),
+        default=d.model.max_knowledge_tokens,
+        help="tokens of knowledge in a ranker pair (before the context)",
+    )
+    t.add_argument(
+        "--feedback",
+        choices=["both", "ranker", "f1"],
+        default=d.feedback,
+        help="the retriever's target: the ranker's p(r+|k) plus unigram F1 (Eq. 10), or one of them",
+    )
+    t.add_argument("--tau", type=float, default=d.tau, help="temperature of the retriever's top-m softmax")
+    t.add_argument("--num-negatives", type=at_least(1), default=d.num_negatives, help="negatives per list")
+    t.add_argument("--batch-size", type=at_least(1), default=d.batch_size, help="contexts per step")
+    t.add_argument("--lr", type=float, default=d.lr, help="ranker learning rate")
+    t.add_argument(
+        "--retriever-lr", type=float, default=d.retriever_lr, help="knowledge retriever learning rate"
+    )
+    t.add_argument("--max-steps", type=at_least(1), default=d.max_steps, help="optimizer steps")
+    t.add_argument("--eval-every", type=at_least(1), default=d.eval_every, help="steps between validations")
+    t.add_argument("--valid-size", type=at_least(0), default=d.valid_size, help="validation pairs (0: none)")
+    t.add_argument(
+        "--valid-candidates", type=at_least(2), default=d.valid_candidates, help="validation list size"
+    )
+    t.add_argument("--log-every", type=at_least(1), default=d.log_every, help="steps between metrics lines")
+    t.add_argument("--seed", type=int, default=d.seed, help="seed of batches and negatives")
+    t.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    _add_model_args(t)
+    e = gsub.add_parser(
+        "eval", help="protocol A with and without knowledge, with significance", **DEFAULTS_SHOWN
+    )
+    e.add_argument("--cross", required=True, help="ranker checkpoint (reads knowledge or not)")
+    e.add_argument(
+        "--knowledge-retriever",
+        default=None,
+        help="knowledge retriever checkpoint; without it the ranker reads all sentences as given",
+    )
+    e.add_argument("--no-knowledge", action="store_true", help="withhold the knowledge (an ablation)")
+    e.add_argument("--top-m", type=at_least(1), default=d.top_m, help="sentences the retriever picks")
+    e.add_argument(
+        "--data", default="chitchat", help="'chitchat' (persona knowledge, test split) or a JSONL file"
+    )
+    e.add_argument("--limit", type=at_least(0), default=0, help="first N test pairs (0: all)")
+    e.add_argument("--candidates", type=at_least(2), default=100, help="protocol A list size")
+    e.add_argument("--against", nargs="*", default=[], help="eval JSONs of the same cases to test against")
+    e.add_argument("--name", default=None, help="row name (default: the output file's stem)")
+    e.add_argument("--out", required=True, help="where the JSON (metrics, per-case ranks) goes")
+    e.add_argument("--seed", type=int, default=0, help="seed of the negatives")
+    e.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+
+
+def _grounded_data(spec: str, max_turns: int) -> dict[str, list]:
+    from coreply.knowledge import load_chitchat_persona
+    from coreply.readers import read_pairs
+
+    if spec == "chitchat":
+        return load_chitchat_persona(max_turns=max_turns)
+    pairs = read_pairs(spec)
+    if not any(p.knowledge for p in pairs):
+        raise CliError(f"--data {spec}: no pair has a 'knowledge' list; grounded ranking needs some")
+    return {"train": pairs, "test": pairs}
+
+
+def _cmd_ground(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from coreply.device import resolve_device
+
+    if args.ground_command == "eval":
+        return _ground_eval(args)
+    from training.reciprocal import GroundedConfig, train_grounded
+
+    model = replace(_model_config(args), max_knowledge_tokens=args.max_knowledge_tokens)
+    keys = (
+        "knowledge",
+        "init_cross",
+        "init_retriever",
+        "top_m",
+        "feedback",
+        "tau",
+        "num_negatives",
+        "batch_size",
+        "lr",
+        "retriever_lr",
+        "max_steps",
+        "eval_every",
+        "valid_size",
+        "valid_candidates",
+        "log_every",
+        "seed",
+        "device",
+    )
+    config = GroundedConfig(output_dir=args.output_dir, model=model, **{k: getattr(args, k) for k in keys})
+    resolve_device(config.device)
+    if (Path(config.output_dir) / "summary.json").exists():
+        raise CliError(f"{config.output_dir} already holds a grounded run; choose another -o")
+    data = _grounded_data(args.data, model.max_turns)
+    command = shlex.join(["coreply", *(args.argv or sys.argv[1:])])
+    summary = train_grounded(config, data["train"], data.get("valid", []), command)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def _ground_eval(args: argparse.Namespace) -> int:
+    from coreply.checkpoint import load_checkpoint
+    from coreply.device import resolve_device
+    from coreply.text import normalize
+    from evaluation.grounded import evaluate_grounded, significance
+
+    device = resolve_device(args.device)
+    cross = load_checkpoint(args.cross, device, expect="cross")
+    retriever = (
+        load_checkpoint(args.knowledge_retriever, device, expect="bi") if args.knowledge_retriever else None
+    )
+    data = _grounded_data(args.data, cross.config.max_turns)
+    test = data["test"][: args.limit or None]
+    negatives = [p.response for p in data["test"]]
+    if len({normalize(t) for t in negatives}) < 2:
+        raise CliError(f"--data {args.data}: the test responses need at least 2 distinct texts")
+    name = args.name or Path(args.out).stem
+    result = evaluate_grounded(
+        name, cross, retriever, test, negatives, args.candidates, args.top_m, not args.no_knowledge, args.seed
+    )
+    result["against"] = {}
+    for path in args.against:
+        other = json.loads(Path(path).read_text())
+        result["against"][other["meta"]["name"]] = significance(result, other)
+    from coreply.artifacts import write_json_atomic
+
+    write_json_atomic(Path(args.out), result)
+    shown = {k: round(v, 2) for k, v in result["metrics"].items() if k in ("hits@1", "hits@5", "mrr")}
+    print(
+        json.dumps(
+            {"name": name, "knowledge": result["meta"]["knowledge"], **shown, "p_vs": result["against"]}
+        )
+    )
+    return 0
+
+
 def _eval_parser(sub) -> None:
     p = sub.add_parser("eval", help="evaluate on protocol A (1-of-N) and B (full pool)", **DEFAULTS_SHOWN)
     p.add_argument("--bi", default=None, help="bi-encoder checkpoint dir, or 'zero-shot'")
@@ -422,6 +591,19 @@ def _index_parser(sub) -> None:
     b.add_argument("--output", "-o", required=True, help="bundle directory to write (replaced atomically)")
     b.add_argument("--bi", default=ZERO_SHOT, help="bi-encoder checkpoint dir, or 'zero-shot' (default)")
     b.add_argument("--cross", default=None, help="cross-encoder checkpoint dir (none: retrieval only)")
+    b.add_argument(
+        "--knowledge-retriever",
+        default=None,
+        help="with a reranker that reads knowledge: the retriever that picks its top-m sentences "
+        "(`coreply ground train` writes it to knowledge/); without it the reranker reads them as given",
+    )
+    b.add_argument(
+        "--knowledge",
+        default=None,
+        metavar="FILE",
+        help="default knowledge for requests that bring none (a persona, facts): one sentence per line",
+    )
+    b.add_argument("--top-m", type=at_least(1), default=5, help="knowledge sentences the reranker reads")
     b.add_argument("--pool", default="chitchat", help="'chitchat' (built-in) or a .txt / .jsonl pool file")
     b.add_argument(
         "--queries",
@@ -515,6 +697,9 @@ def _cmd_index(args: argparse.Namespace) -> int:
         calibration=calibration,
         metadata=metadata,
         command=shlex.join(["coreply", *(sys.argv[1:] if args.argv is None else args.argv)]),
+        knowledge_retriever=args.knowledge_retriever,
+        knowledge=_knowledge_file(args.knowledge) if args.knowledge else (),
+        top_m=args.top_m,
     )
     info, dropped = manifest["index"], manifest["build"]["dropped_duplicates_or_blank"]
     if dropped:
@@ -525,6 +710,18 @@ def _cmd_index(args: argparse.Namespace) -> int:
         f"{manifest['build']['total_seconds']} s"
     )
     return 0
+
+
+def _knowledge_file(path: str) -> list[str]:
+    """One knowledge sentence per non-blank line of a UTF-8 text file."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise CliError(f"--knowledge {path}: not UTF-8 text; save it as UTF-8") from None
+    sentences = [line.strip() for line in lines if line.strip()]
+    if not sentences:
+        raise CliError(f"--knowledge {path}: no sentences (one per line expected)")
+    return sentences
 
 
 def _serve_parser(sub) -> None:
@@ -688,6 +885,7 @@ def build_parser() -> argparse.ArgumentParser:
     _train_parser(sub)
     _pretrain_parser(sub)
     _eval_parser(sub)
+    _ground_parser(sub)
     _report_parser(sub)
     _index_parser(sub)
     _serve_parser(sub)
@@ -699,6 +897,7 @@ COMMANDS: dict[str, Any] = {
     "train": _cmd_train,
     "pretrain": _cmd_pretrain,
     "eval": _cmd_eval,
+    "ground": _cmd_ground,
     "report": _cmd_report,
     "index": _cmd_index,
     "serve": _cmd_serve,

@@ -11,6 +11,10 @@ Layout::
                       file's other fields (a team's own id, intent, template), returned by /respond
     tokens/           with a cross-encoder: every response's word-piece ids (``ids.npy``, int32) and
                       where each starts (``offsets.npy``, N + 1), so requests never tokenise a response
+    knowledge/        optional, with a reranker that reads knowledge: the knowledge retriever that picks
+                      the top-m sentences for it (run on PyTorch; its pick is ``manifest.knowledge.top_m``)
+    knowledge.json    optional: {"sentences": [...]}, the default knowledge (a persona, an operator's
+                      facts) used when a request brings none
 
 A bundle is written to a temporary directory and renamed into place, and is verified on load: every
 file's sha256, the index dimension and count, the response count and the model hashes must agree with
@@ -39,6 +43,7 @@ MANIFEST = "manifest.json"
 INDEX = "index.faiss"
 RESPONSES = "responses.jsonl"
 TOKENS = "tokens"
+KNOWLEDGE = "knowledge.json"
 
 
 class BundleError(ValueError):
@@ -118,6 +123,7 @@ class Bundle:
     keys: list[str]  # normalised texts, for echo / exclude filtering
     tokens: tuple[np.ndarray, np.ndarray] | None = None  # the reranker's response ids, offsets
     metadata: list[dict[str, Any]] = field(default_factory=list)  # per id; {} where none was given
+    knowledge: list[str] = field(default_factory=list)  # the default knowledge sentences
 
     @property
     def version(self) -> str:
@@ -184,7 +190,24 @@ def load_bundle(path: str | Path, verify: bool = True) -> Bundle:
     )
     apply_search_params(index, info.get("search_params", ""))
     tokens = read_tokens(root, len(texts))
-    return Bundle(root, manifest, index, texts, [normalize(t) for t in texts], tokens, metadata)
+    knowledge = read_knowledge(root)
+    return Bundle(root, manifest, index, texts, [normalize(t) for t in texts], tokens, metadata, knowledge)
+
+
+def write_knowledge(root: Path, sentences: Sequence[str]) -> None:
+    with open(root / KNOWLEDGE, "w", encoding="utf-8") as fh:
+        json.dump({"sentences": list(sentences)}, fh, ensure_ascii=False, indent=1)
+
+
+def read_knowledge(root: Path) -> list[str]:
+    """The bundle's default knowledge sentences ([] when it has none)."""
+    if not (root / KNOWLEDGE).is_file():
+        return []
+    data = json.loads((root / KNOWLEDGE).read_text(encoding="utf-8"))
+    sentences = data.get("sentences") if isinstance(data, dict) else None
+    ok = isinstance(sentences, list) and all(isinstance(t, str) and t.strip() for t in sentences)
+    _check(ok, root, f"{KNOWLEDGE} must hold {{'sentences': [non-blank strings]}}")
+    return sentences  # type: ignore[return-value]
 
 
 class TorchExactIndex:
@@ -252,6 +275,12 @@ def make_backend(bundle: Bundle, backend: str = "auto", threads: int = 1, device
         )
     if bundle.tokens is not None and chosen.cross_tokenizer is not None:
         chosen.cross_tokenizer.attach(bundle.texts, *bundle.tokens)
+    if chosen.reads_knowledge and bundle.manifest["models"].get("knowledge"):
+        from coreply.knowledge import KnowledgeSelector
+
+        retriever = load_checkpoint(bundle.model_dir("knowledge"), device, expect="bi")
+        chosen.select_knowledge = KnowledgeSelector(retriever, int(bundle.manifest["knowledge"]["top_m"]))
+        chosen.select_knowledge.warm(bundle.knowledge)
     return chosen
 
 
@@ -311,4 +340,13 @@ def pipeline(bundle: Bundle, backend: Any, index: Any = None) -> Pipeline:
         _readable(index, bundle.root)
     retrieve = IndexRetriever(backend, index)
     score = backend.score_pairs if backend.has_cross else None
-    return Pipeline(retrieve, bundle.texts, bundle.keys, score, weight, poly=bool(backend.poly_codes))
+    return Pipeline(
+        retrieve,
+        bundle.texts,
+        bundle.keys,
+        score,
+        weight,
+        poly=bool(backend.poly_codes),
+        select_knowledge=backend.select_knowledge,
+        reads_knowledge=backend.reads_knowledge,
+    )

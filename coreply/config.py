@@ -36,6 +36,8 @@ class ModelConfig:
     poly_codes: int = 0  # > 0: the bi-encoder is a Poly-encoder with this many learnt context codes (m)
     num_layers: int | None = None  # keep only the base model's first k transformer layers (None = all);
     # a 2-layer reranker on 64-token pairs is about 5x cheaper than 6 layers on 128 (docs/performance.md)
+    max_knowledge_tokens: int = 0  # > 0: a cross-encoder that reads knowledge sentences before the
+    # context (RecKGC Eq. 3), at most this many tokens of them; 0: it reads none
 
     def __post_init__(self) -> None:
         if self.pooling not in ("cls", "mean"):
@@ -48,6 +50,8 @@ class ModelConfig:
             raise ValueError("score_scale must be > 0")
         if self.poly_codes < 0:
             raise ValueError("poly_codes must be >= 0 (0: a plain bi-encoder)")
+        if self.max_knowledge_tokens < 0 or 0 < self.max_knowledge_tokens < 3:
+            raise ValueError("max_knowledge_tokens must be 0 (no knowledge) or >= 3")
         if self.num_layers is not None and self.num_layers < 1:
             raise ValueError("num_layers must be >= 1 (or None for all of the base model's layers)")
 

@@ -18,12 +18,14 @@ SPLITS = ("train", "valid", "test")
 @dataclass(frozen=True)
 class Pair:
     """A context (oldest turn first) and its gold response. ``negatives`` are given distractors (benchmark
-    formats that ship them); empty for corpora where negatives are sampled."""
+    formats that ship them); empty for corpora where negatives are sampled. ``knowledge``: background
+    sentences the reply may draw on (a persona, facts), unlabelled: none is marked as the one used."""
 
     context: tuple[str, ...]
     response: str
     conversation_id: str = ""
     negatives: tuple[str, ...] = field(default=())
+    knowledge: tuple[str, ...] = field(default=())
 
 
 def split_of(conversation_id: str) -> str:
@@ -39,8 +41,9 @@ def pairs_from_turns(turns: Sequence[str], conversation_id: str, max_turns: int)
     ]
 
 
-def chitchat_turns(conversation: dict) -> list[str]:
-    """Consecutive messages of one sender joined with a space; empty turns dropped."""
+def speaker_turns(conversation: dict) -> list[tuple[str, str, list[str]]]:
+    """(sender, turn, its messages) of a chitchat conversation: consecutive messages of one sender
+    joined with a space; empty turns dropped."""
     grouped: list[tuple[str, list[str]]] = []
     for group in conversation["messages"]:
         for message in group:
@@ -48,8 +51,12 @@ def chitchat_turns(conversation: dict) -> list[str]:
                 grouped[-1][1].append(message["text"])
             else:
                 grouped.append((message["sender"], [message["text"]]))
-    turns = (" ".join(texts).strip() for _, texts in grouped)
-    return [t for t in turns if t]
+    turns = ((sender, " ".join(texts).strip(), texts) for sender, texts in grouped)
+    return [t for t in turns if t[1]]
+
+
+def chitchat_turns(conversation: dict) -> list[str]:
+    return [turn for _, turn, _ in speaker_turns(conversation)]
 
 
 def chitchat_path() -> Path:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from coreply.device import autocast
+from coreply.knowledge import KnowledgeSelector
 from coreply.models import BiEncoder, CrossEncoder, PolyEncoder, batched
 from coreply.tokenization import Batch, DialogueTokenizer, score_by_tokens
 
@@ -32,6 +33,10 @@ class Backend(Protocol):
     has_cross: bool  # a cross-encoder reranker is loaded
     cross_tokenizer: DialogueTokenizer | None
     poly_codes: int  # m > 0 when the retriever is a Poly-encoder
+    select_knowledge: KnowledgeSelector | None  # the bundle's knowledge retriever, if it has one
+
+    @property
+    def reads_knowledge(self) -> bool: ...
 
     def encode_contexts(self, contexts: Sequence[Sequence[str]]) -> np.ndarray: ...
 
@@ -39,10 +44,26 @@ class Backend(Protocol):
 
     def encode_responses(self, responses: Sequence[str]) -> np.ndarray: ...
 
-    def score_pairs(self, contexts: Sequence[Sequence[str]], responses: Sequence[str]) -> np.ndarray: ...
+    def score_pairs(
+        self,
+        contexts: Sequence[Sequence[str]],
+        responses: Sequence[str],
+        knowledge: Sequence[Sequence[str]] | None = None,
+    ) -> np.ndarray: ...
 
 
-class TorchBackend:
+class _Knowledge:
+    """What both backends say about knowledge: whether their reranker reads it, and who picks it."""
+
+    cross_tokenizer: DialogueTokenizer | None
+    select_knowledge: KnowledgeSelector | None = None
+
+    @property
+    def reads_knowledge(self) -> bool:
+        return self.cross_tokenizer is not None and self.cross_tokenizer.config.max_knowledge_tokens > 0
+
+
+class TorchBackend(_Knowledge):
     """The models themselves: fp32 on CPU, bf16 autocast on CUDA (the same numerics as training)."""
 
     def __init__(
@@ -70,11 +91,16 @@ class TorchBackend:
         with autocast(self.bi.device):
             return self.bi.embed_responses(responses, 2 * self.batch_size).numpy()
 
-    def score_pairs(self, contexts: Sequence[Sequence[str]], responses: Sequence[str]) -> np.ndarray:
+    def score_pairs(
+        self,
+        contexts: Sequence[Sequence[str]],
+        responses: Sequence[str],
+        knowledge: Sequence[Sequence[str]] | None = None,
+    ) -> np.ndarray:
         if self.cross is None:
             raise RuntimeError("this bundle has no reranker")
         with autocast(self.cross.device):
-            return self.cross.score_pairs(contexts, responses, self.max_batch_tokens).numpy()
+            return self.cross.score_pairs(contexts, responses, knowledge, self.max_batch_tokens).numpy()
 
 
 # ------------------------------------------------------------------------------------------- export
@@ -184,7 +210,7 @@ def _session(path: Path, threads: int, cuda: bool):
     return ort.InferenceSession(str(path), options, providers=providers)
 
 
-class OnnxBackend:
+class OnnxBackend(_Knowledge):
     """ONNX Runtime sessions over graphs written by :func:`export_onnx`; tokenisation is the models' own."""
 
     def __init__(
@@ -234,9 +260,15 @@ class OnnxBackend:
         run = lambda chunk: self._run(self.response, tok.responses(chunk))  # noqa: E731
         return batched(responses, 2 * self.batch_size, run).numpy()
 
-    def score_pairs(self, contexts: Sequence[Sequence[str]], responses: Sequence[str]) -> np.ndarray:
+    def score_pairs(
+        self,
+        contexts: Sequence[Sequence[str]],
+        responses: Sequence[str],
+        knowledge: Sequence[Sequence[str]] | None = None,
+    ) -> np.ndarray:
         if self.cross is None or self.cross_tokenizer is None:
             raise RuntimeError("this bundle has no reranker")
         session = self.cross
         run = lambda batch: self._run(session, batch).numpy()  # noqa: E731
-        return score_by_tokens(self.cross_tokenizer, contexts, responses, self.max_batch_tokens, run)
+        tok = self.cross_tokenizer
+        return score_by_tokens(tok, contexts, responses, self.max_batch_tokens, run, knowledge)

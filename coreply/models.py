@@ -310,14 +310,24 @@ class CrossEncoder(_Encoder):
         ).last_hidden_state
         return self.head(pool(out, pairs.attention_mask, self.config.pooling)).squeeze(-1)
 
+    @property
+    def reads_knowledge(self) -> bool:
+        return self.config.max_knowledge_tokens > 0
+
     @torch.inference_mode()
     def score_pairs(
-        self, contexts: Sequence[Sequence[str]], responses: Sequence[str], max_tokens: int = 4096
+        self,
+        contexts: Sequence[Sequence[str]],
+        responses: Sequence[str],
+        knowledge: Sequence[Sequence[str]] | None = None,
+        max_tokens: int = 4096,
     ) -> torch.Tensor:
-        """Score (contexts[i], responses[i]) for many pairs (float32, on CPU): [N], in length-sorted
-        chunks of at most ``max_tokens`` padded tokens."""
+        """Score (contexts[i], responses[i]), grounded on ``knowledge[i]`` when given and the model reads
+        knowledge, for many pairs (float32, on CPU): [N], in length-sorted chunks of at most
+        ``max_tokens`` padded tokens."""
         run = lambda batch: self(batch.to(self.device)).float().cpu().numpy()  # noqa: E731
-        return torch.from_numpy(score_by_tokens(self.tokenizer, contexts, responses, max_tokens, run))
+        scores = score_by_tokens(self.tokenizer, contexts, responses, max_tokens, run, knowledge)
+        return torch.from_numpy(scores)
 
 
 def batched(items: Sequence[Any], batch_size: int, run) -> torch.Tensor:

@@ -15,7 +15,7 @@ every fusion and n_r.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol, get_args
 
 import numpy as np
@@ -46,17 +46,24 @@ class Retriever(Protocol):
     def __call__(self, contexts: Sequence[Sequence[str]], k: int) -> Hits: ...
 
 
-ScorePairs = Callable[[Sequence[Sequence[str]], Sequence[str]], np.ndarray]
-"""(contexts [N], responses [N]) -> reranker scores [N]: a cross-encoder, or a serving backend."""
+ScorePairs = Callable[..., np.ndarray]
+"""(contexts [N], responses [N][, knowledge [N]]) -> reranker scores [N]: a cross-encoder, or a serving
+backend; the knowledge argument is passed only when some query carries knowledge."""
+
+SelectKnowledge = Callable[[Sequence[Sequence[str]], Sequence[Sequence[str]]], list[tuple[str, ...]]]
+"""(contexts [N], knowledge sets [N]) -> the sentences the reranker reads per context, most relevant
+first: a :class:`~coreply.knowledge.KnowledgeSelector`."""
 
 
 @dataclass(frozen=True)
 class Query:
-    """One query: the dialogue so far, and pool entries that must not be answered (by text or id)."""
+    """One query: the dialogue so far, pool entries that must not be answered (by text or id), and
+    background knowledge the reply may draw on (a persona, an operator's facts)."""
 
     context: Sequence[str]
     exclude_texts: Sequence[str] = ()
     exclude_ids: Collection[int] = frozenset()
+    knowledge: Sequence[str] = ()
 
     def depth(self, n: int) -> int:
         """How many hits to fetch so that ``n`` survive the filter: the pool holds each normalised text
@@ -120,12 +127,19 @@ def order(
 
 
 def score_lists(
-    score_pairs: ScorePairs, contexts: Sequence[Sequence[str]], lists: Sequence[Sequence[str]]
+    score_pairs: ScorePairs,
+    contexts: Sequence[Sequence[str]],
+    lists: Sequence[Sequence[str]],
+    knowledge: Sequence[Sequence[str]] | None = None,
 ) -> list[np.ndarray]:
-    """Score each context against its own candidate texts in one call (pairs flattened, split back)."""
+    """Score each context (grounded on its ``knowledge``, when given) against its own candidate texts in
+    one call (pairs flattened, split back)."""
     flat_c = [c for c, texts in zip(contexts, lists, strict=True) for _ in texts]
     flat_r = [t for texts in lists for t in texts]
-    flat = np.asarray(score_pairs(flat_c, flat_r), dtype="float64") if flat_r else np.zeros(0)
+    args: tuple = (flat_c, flat_r)
+    if knowledge is not None:
+        args += ([k for k, texts in zip(knowledge, lists, strict=True) for _ in texts],)
+    flat = np.asarray(score_pairs(*args), dtype="float64") if flat_r else np.zeros(0)
     bounds = np.cumsum([len(texts) for texts in lists])[:-1]
     return np.split(flat, bounds)
 
@@ -134,7 +148,8 @@ class Pipeline:
     """A retriever over a pool, optionally a rerank stage, and the z-score weight the pool was
     calibrated with. ``texts`` and ``keys`` (normalised texts) are the pool, row i = id i. The rerank
     stage is the cross-encoder ``score_pairs`` when given, else with ``poly`` the Poly-encoder
-    retriever's own codes, else none."""
+    retriever's own codes, else none. A cross-encoder that reads knowledge is given each query's
+    knowledge as ``select_knowledge`` narrows it (:meth:`ground`), or as the query carries it."""
 
     def __init__(
         self,
@@ -144,9 +159,12 @@ class Pipeline:
         score_pairs: ScorePairs | None = None,
         weight: float = ZSCORE_WEIGHT,
         poly: bool = False,
+        select_knowledge: SelectKnowledge | None = None,
+        reads_knowledge: bool = False,
     ) -> None:
         self.retrieve, self.texts, self.keys = retrieve, texts, keys
         self.score_pairs, self.weight = score_pairs, weight
+        self.select_knowledge, self.reads_knowledge = select_knowledge, reads_knowledge
         if poly and score_pairs is None and not hasattr(retrieve, "vectors"):
             raise ValueError("the poly stage needs a Poly-encoder retriever (with cached response vectors)")
         self.reranker = "cross" if score_pairs is not None else "poly" if poly else None
@@ -175,8 +193,24 @@ class Pipeline:
             raise ValueError("this pipeline has no rerank stage")
         lists = [[self.texts[i] for i in c.ids[:n_r]] for c in candidates]
         contexts = [q.context for q in queries]
-        for c, scores in zip(candidates, score_lists(self.score_pairs, contexts, lists), strict=True):
+        knowledge = [q.knowledge for q in queries] if any(q.knowledge for q in queries) else None
+        scored = score_lists(self.score_pairs, contexts, lists, knowledge)
+        for c, scores in zip(candidates, scored, strict=True):
             c.rerank = scores
+
+    def ground(self, queries: Sequence[Query]) -> list[Query]:
+        """The queries with the knowledge the reranker will read: ``select_knowledge``'s pick for each
+        query that carries knowledge (unchanged without a selector)."""
+        todo = [i for i, q in enumerate(queries) if q.knowledge]
+        if self.select_knowledge is None or not todo:
+            return list(queries)
+        picked = self.select_knowledge(
+            [queries[i].context for i in todo], [queries[i].knowledge for i in todo]
+        )
+        out = list(queries)
+        for i, chosen in zip(todo, picked, strict=True):
+            out[i] = replace(out[i], knowledge=chosen)
+        return out
 
 
 def poly_rescore(codes: np.ndarray | None, vectors: np.ndarray) -> np.ndarray:

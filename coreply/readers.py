@@ -46,16 +46,19 @@ def _records(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
 
 
 def read_jsonl(path: str | Path) -> list[Pair]:
-    """``{"context": [...], "response": "...", "negatives": [...]?}`` per line; blank lines skipped."""
+    """``{"context": [...], "response": "...", "negatives": [...]?, "knowledge": [...]?}`` per line
+    (``knowledge``: background sentences for grounded ranking); blank lines skipped."""
     pairs = []
     for where, record in _records(path):
         negatives = record.get("negatives", [])
+        knowledge = record.get("knowledge", [])
         pairs.append(
             Pair(
                 _string_list(record.get("context"), where, "context"),
                 _string(record.get("response"), where, "response"),
                 str(record.get("conversation_id", "")),
                 _string_list(negatives, where, "negatives") if negatives else (),
+                _string_list(knowledge, where, "knowledge") if knowledge else (),
             )
         )
     if not pairs:

@@ -55,10 +55,12 @@ class Responder:
         fusion: str | None = None,
         exclude_ids: Sequence[int] = (),
         exclude_texts: Sequence[str] = (),
+        knowledge: Sequence[str] | None = None,
     ) -> list[Reply]:
         """The best ``top_k`` of ``n_candidates`` recalled for ``context`` (oldest utterance first), never
         a copy of a context turn nor an excluded response; reranked and fused unless ``fusion`` is
-        ``retrieval`` (default: z-score fusion with a rerank stage, else retrieval)."""
+        ``retrieval`` (default: z-score fusion with a rerank stage, else retrieval). ``knowledge`` (a
+        persona, facts) grounds a reranker that reads it; default: the bundle's own, if any."""
         fusion = fusion or self.default_fusion
         if fusion not in FUSIONS:
             raise ValueError(f"fusion must be one of {FUSIONS}, got {fusion!r}")
@@ -66,10 +68,13 @@ class Responder:
             raise ValueError(f"fusion {fusion!r} needs a rerank stage and this bundle has none")
         if not context or top_k < 1 or n_candidates < top_k:
             raise ValueError("need a non-empty context and 1 <= top_k <= n_candidates")
-        query = Query(tuple(context), tuple(exclude_texts), frozenset(exclude_ids))
+        if knowledge and not self.pipeline.reads_knowledge:
+            raise ValueError("knowledge: this bundle's reranker does not read knowledge")
+        knowledge = self.bundle.knowledge if knowledge is None else knowledge
+        query = Query(tuple(context), tuple(exclude_texts), frozenset(exclude_ids), tuple(knowledge))
         (candidates,) = self.pipeline.recall([query], [n_candidates])
         if fusion != "retrieval" and len(candidates.ids):
-            self.pipeline.rerank([query], [candidates], n_candidates)
+            self.pipeline.rerank(self.pipeline.ground([query]), [candidates], n_candidates)
         positions, final = order(candidates, fusion, n_candidates, self.pipeline.weight)
         return replies(self.bundle, candidates, positions[:top_k], final)
 

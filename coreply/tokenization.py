@@ -96,6 +96,11 @@ class DialogueTokenizer:
     * response: ``[CLS] r [SEP]``, at most ``max_response_tokens``, cut at the end
     * pair:     ``[CLS] u1 [SEP] ... un [SEP] r [SEP]`` with segment 0 for the context part and 1 for the
       response part; the same two cuts apply, so a pair has at most ``max_context + max_response - 1`` tokens.
+    * grounded pair (a model with ``max_knowledge_tokens > 0``, given knowledge; RecKGC Eq. 3):
+      ``[CLS] k1 [SEP] ... km [SEP] u1 [SEP] ... un [SEP] r [SEP]``, all before ``r`` in segment 0. Each
+      sentence is cut like a response, and the sentences together to ``max_knowledge_tokens`` (with their
+      [SEP]) by dropping from the *end*: knowledge comes most relevant first. With no context turns
+      (the reciprocal learner's feedback) the pair is ``[CLS] k [SEP] r [SEP]``.
     Only the last ``max_turns`` utterances of a context are used.
     """
 
@@ -176,6 +181,24 @@ class DialogueTokenizer:
     def response_body(self, piece: list[int]) -> list[int]:
         return piece[: self.config.max_response_tokens - 2]
 
+    def knowledge_body(self, sentences: Sequence[list[int]]) -> list[int]:
+        """k1 [SEP] k2 ... with each sentence cut like a response and the whole cut at the end to
+        ``max_knowledge_tokens - 1`` (room for the [SEP] that follows it); [] when the model reads none."""
+        keep = self.config.max_knowledge_tokens - 1
+        body: list[int] = []
+        for piece in sentences:
+            if keep <= 0 or len(body) >= keep:
+                break
+            if body:
+                body.append(self.sep)
+            body.extend(self.response_body(piece))
+        body = body[:keep]
+        return body[:-1] if body and body[-1] == self.sep else body
+
+    def grounded_body(self, knowledge: list[int], context: list[int]) -> list[int]:
+        """Knowledge body, [SEP], context body (either may be empty): what precedes the response."""
+        return [*knowledge, self.sep, *context] if knowledge and context else knowledge or context
+
     def single_row(self, body: list[int]) -> list[int]:
         """``[CLS] body [SEP]``: a context or a response for the bi-encoder."""
         return [self.cls, *body, self.sep]
@@ -215,20 +238,36 @@ class DialogueTokenizer:
         return self.batch_singles(self.response_bodies(responses))
 
     def pair_rows(
-        self, contexts: Sequence[Sequence[str]], responses: Sequence[str]
+        self,
+        contexts: Sequence[Sequence[str]],
+        responses: Sequence[str],
+        knowledge: Sequence[Sequence[str]] | None = None,
     ) -> list[tuple[list[int], int]]:
-        """(row, where its response segment starts) per (contexts[i], responses[i]); each distinct
-        context is assembled once."""
-        if len(contexts) != len(responses):
-            raise ValueError("pairs() needs as many contexts as responses")
-        unique = list(dict.fromkeys(tuple(c) for c in contexts))
-        bodies = dict(zip(unique, self.context_bodies(unique), strict=True))
+        """(row, where its response segment starts) per (contexts[i], responses[i]), grounded on
+        ``knowledge[i]`` when given (and the model reads knowledge); each distinct (knowledge, context)
+        is assembled once."""
+        if len(contexts) != len(responses) or (knowledge is not None and len(knowledge) != len(contexts)):
+            raise ValueError("pairs() needs as many contexts (and knowledge lists) as responses")
+        reads = knowledge is not None and self.config.max_knowledge_tokens > 0
+        grounds = knowledge if reads else [()] * len(contexts)
+        keys = [(tuple(k), tuple(c)) for k, c in zip(grounds, contexts, strict=True)]
+        unique = list(dict.fromkeys(keys))
+        context_bodies = self.context_bodies([c for _, c in unique])
+        bodies = {
+            key: self.grounded_body(self.knowledge_body(self.pieces(key[0])), body)
+            for key, body in zip(unique, context_bodies, strict=True)
+        }
         response_bodies = self.response_bodies(responses)
-        return [self.pair_row(bodies[tuple(c)], r) for c, r in zip(contexts, response_bodies, strict=True)]
+        return [self.pair_row(bodies[key], r) for key, r in zip(keys, response_bodies, strict=True)]
 
-    def pairs(self, contexts: Sequence[Sequence[str]], responses: Sequence[str]) -> Batch:
-        """One row per (contexts[i], responses[i])."""
-        rows = self.pair_rows(contexts, responses)
+    def pairs(
+        self,
+        contexts: Sequence[Sequence[str]],
+        responses: Sequence[str],
+        knowledge: Sequence[Sequence[str]] | None = None,
+    ) -> Batch:
+        """One row per (contexts[i], responses[i]) (grounded on ``knowledge[i]`` when given)."""
+        rows = self.pair_rows(contexts, responses, knowledge)
         return pad_rows([r for r, _ in rows], self.pad, [s for _, s in rows])
 
 
@@ -238,10 +277,11 @@ def score_by_tokens(
     responses: Sequence[str],
     max_tokens: int,
     run: Callable[[Batch], np.ndarray],
+    knowledge: Sequence[Sequence[str]] | None = None,
 ) -> np.ndarray:
     """Pair scores [N] (float32) in input order: rows assembled from ids (stored responses are not
     tokenised again), length-sorted, and ``run`` on chunks of at most ``max_tokens`` padded tokens."""
-    rows = tok.pair_rows(contexts, responses)
+    rows = tok.pair_rows(contexts, responses, knowledge)
     out = np.empty(len(rows), dtype="float32")
     for chunk in token_budget_chunks([len(r) for r, _ in rows], max_tokens):
         batch = pad_rows([rows[i][0] for i in chunk], tok.pad, [rows[i][1] for i in chunk])

@@ -28,6 +28,7 @@ from coreply.bundle import (
     load_bundle,
     make_backend,
     pipeline,
+    write_knowledge,
     write_responses,
     write_tokens,
 )
@@ -112,14 +113,22 @@ def build_bundle(
     progress: bool = True,
     metadata: Sequence[dict[str, Any]] = (),
     command: str = "",
+    knowledge_retriever: str | None = None,
+    knowledge: Sequence[str] = (),
+    top_m: int = 5,
 ) -> dict[str, Any]:
     """Encode ``texts`` (normalised duplicates dropped, first spelling kept, ids in order) and write a
     bundle to ``out`` atomically. ``queries`` (contexts) measure the index's recall against exact search;
     ``calibration`` pairs (with a reranker) choose the z-score fusion weight; ``metadata`` (one dict per
     text, if given) is stored with each response and returned by the service; ``command`` is recorded as
-    what built the bundle."""
+    what built the bundle. A reranker that reads knowledge may come with ``knowledge_retriever`` (picks
+    the ``top_m`` sentences it reads; without one it reads them as given) and a default ``knowledge``
+    set for requests that bring none."""
     if onnx not in ONNX_CHOICES:
         raise ValueError(f"--onnx must be one of {ONNX_CHOICES}, got {onnx!r}")
+    if top_m < 1:
+        raise ValueError(f"--top-m must be >= 1, got {top_m}")
+    knowledge = [k for k in (t.strip() for t in knowledge) if k]
     started = time.perf_counter()
     torch_device = resolve_device(device)
     keep = distinct(texts)
@@ -132,6 +141,16 @@ def build_bundle(
         bi_model = _place_model(bi, "bi", tmp / "bi", str(torch_device))
         check_index_spec(bi_model.dim, len(pool), factory, search_params)
         cross_model = _place_model(cross, "cross", tmp / "cross", str(torch_device)) if cross else None
+        grounded = cross_model is not None and cross_model.reads_knowledge
+        if (knowledge_retriever or knowledge) and not grounded:
+            raise ValueError(
+                "--knowledge-retriever / --knowledge need a reranker that reads knowledge (--cross from "
+                "`coreply ground train`)"
+            )
+        if knowledge_retriever:
+            _place_model(knowledge_retriever, "bi", tmp / "knowledge", str(torch_device))
+        if grounded:
+            write_knowledge(tmp, knowledge)
         if onnx != "none":
             export_onnx(bi_model, cross_model, tmp / "onnx", onnx)
         manifest: dict[str, Any] = {
@@ -141,6 +160,14 @@ def build_bundle(
             },
             "onnx": None if onnx == "none" else onnx,
         }
+        if knowledge_retriever:
+            manifest["models"]["knowledge"] = _model_entry(tmp / "knowledge", knowledge_retriever)
+        if grounded:
+            manifest["knowledge"] = {
+                "top_m": top_m if knowledge_retriever else None,
+                "default_sentences": len(knowledge),
+                "max_knowledge_tokens": cross_model.config.max_knowledge_tokens,
+            }
         manifest["index"] = {"dim": bi_model.dim}
         use_onnx = onnx != "none" and torch_device.type == "cpu"
         bundle = Bundle(tmp, manifest, None, list(pool), [normalize(t) for t in pool])

@@ -86,8 +86,10 @@ class Engine:
         """[(query, candidates)] -> the candidates with rerank scores, all of them scored in one call."""
         start = time.perf_counter()
         candidates = [c for _, c in items]
-        self.pipeline.rerank([q for q, _ in items], candidates, max(len(c.ids) for c in candidates))
-        return candidates, {"rerank": time.perf_counter() - start}
+        queries = self.pipeline.ground([q for q, _ in items])
+        grounded = time.perf_counter()
+        self.pipeline.rerank(queries, candidates, max(len(c.ids) for c in candidates))
+        return candidates, {"knowledge": grounded - start, "rerank": time.perf_counter() - grounded}
 
     # ------------------------------------------------------------------------------------ request path
 
@@ -117,7 +119,7 @@ class Engine:
 
     async def _respond(self, job: Job) -> dict:
         started = time.perf_counter()
-        timings = {"queue_wait": 0.0, "encode": 0.0, "search": 0.0, "rerank": 0.0}
+        timings = {"queue_wait": 0.0, "encode": 0.0, "search": 0.0, "knowledge": 0.0, "rerank": 0.0}
         reranks = job.fusion != "retrieval"
         plan = self.cascade.plan(job.n_candidates, reranks, job.top_k) if self.cascade else None
         n_candidates = plan.n_candidates if plan else job.n_candidates

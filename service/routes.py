@@ -74,6 +74,11 @@ def build_router(settings: Settings, request_model: type) -> APIRouter:
             "responses": len(engine.bundle.texts),
             "backend": engine.backend.name,
             "reranker": engine.pipeline.reranker,
+            "knowledge": {
+                "reads": engine.pipeline.reads_knowledge,
+                "retriever": engine.pipeline.select_knowledge is not None,
+                "default_sentences": len(engine.bundle.knowledge),
+            },
             "threads": engine.threads,
         }
 

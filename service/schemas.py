@@ -14,13 +14,13 @@ from service.settings import Settings
 class RespondBase(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    @field_validator("context", check_fields=False)
+    @field_validator("context", "knowledge", check_fields=False)
     @classmethod
-    def _no_blank_utterances(cls, context: list[str]) -> list[str]:
-        for i, utterance in enumerate(context):
-            if not utterance.strip():
-                raise ValueError(f"utterance {i} is blank")
-        return context
+    def _no_blank_utterances(cls, texts: list[str] | None) -> list[str] | None:
+        for i, text in enumerate(texts or ()):
+            if not text.strip():
+                raise ValueError(f"item {i} is blank")
+        return texts
 
 
 def respond_request_model(settings: Settings) -> type[RespondBase]:
@@ -65,6 +65,17 @@ def respond_request_model(settings: Settings) -> type[RespondBase]:
                 "left, the answer carries the service's fallback text (default: COREPLY_MIN_RETRIEVAL_SCORE)",
             ),
         ),
+        knowledge=(
+            list[utterance] | None,
+            Field(
+                None,
+                max_length=settings.max_knowledge,
+                description="background sentences the reply may draw on (a persona, an operator's facts), "
+                "for a bundle whose reranker reads knowledge; its knowledge retriever picks the few read. "
+                "Default: the bundle's own knowledge, if it has any",
+                examples=[["i have two dogs and a cat.", "i work as a nurse on night shifts."]],
+            ),
+        ),
         exclude=(
             list[excluded],
             Field(
@@ -101,7 +112,8 @@ class RespondResponse(BaseModel):
     n_candidates: int
     bundle_version: str
     timings_ms: dict[str, float] = Field(
-        description="total, queue_wait, encode, search, rerank (milliseconds; batch stages are shared)"
+        description="total, queue_wait, encode, search, knowledge (picking the knowledge the reranker "
+        "reads), rerank (milliseconds; batch stages are shared)"
     )
     degraded: Degraded | None = None
     fallback: str | None = Field(

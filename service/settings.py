@@ -31,6 +31,7 @@ class Settings(BaseSettings):
     max_candidates: int = Field(100, ge=1)
     default_candidates: int = Field(10, ge=1)
     max_exclude: int = Field(200, ge=0)
+    max_knowledge: int = Field(100, ge=0, description="knowledge sentences one request may bring")
 
     # micro-batching of inference work across concurrent requests
     batch_max_pairs: int = Field(128, ge=1, description="most rerank pairs in one batch")

@@ -32,10 +32,14 @@ def make_job(body: Any, engine: Engine, deadline: float | None = None) -> Job:
     if body.top_k > n:
         msg = f"top_k ({body.top_k}) exceeds n_candidates ({n})"
         raise RequestValidationError([{"loc": ("body", "top_k"), "msg": msg, "type": "value_error"}])
+    if body.knowledge and not engine.pipeline.reads_knowledge:
+        msg = "this bundle's reranker does not read knowledge (build one with `coreply ground train`)"
+        raise RequestValidationError([{"loc": ("body", "knowledge"), "msg": msg, "type": "value_error"}])
     query = Query(
         context=tuple(body.context),
         exclude_texts=tuple(x for x in body.exclude if isinstance(x, str)),
         exclude_ids=frozenset(x for x in body.exclude if isinstance(x, int)),
+        knowledge=tuple(engine.bundle.knowledge if body.knowledge is None else body.knowledge),
     )
     fusion = body.fusion or engine.default_fusion
     return Job(query, body.top_k, n, fusion, deadline, body.min_retrieval_score)

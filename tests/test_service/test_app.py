@@ -56,7 +56,7 @@ def test_respond_ranks_by_fused_score(client):
     for r in body["responses"]:
         assert r["score"] == pytest.approx(r["retrieval_score"] + r["rerank_score"])
     assert body["responses"][0]["text"] == answer  # the toy models learned this topic
-    assert set(body["timings_ms"]) == {"total", "queue_wait", "encode", "search", "rerank"}
+    assert set(body["timings_ms"]) == {"total", "queue_wait", "encode", "search", "knowledge", "rerank"}
     assert body["timings_ms"]["total"] >= body["timings_ms"]["encode"] > 0
     assert body["n_candidates"] == 6 and body["fusion"] == "sum"
 
