@@ -800,15 +800,24 @@ def _chat_parser(sub) -> None:
     )
     p.add_argument("--candidates", type=at_least(1), default=10, help="n_r: candidates recalled and reranked")
     p.add_argument("--show", type=at_least(1), default=1, help="replies shown per turn (best first)")
+    p.add_argument(
+        "--knowledge",
+        default=None,
+        metavar="FILE",
+        help="a persona or facts (one sentence per line) sent with every turn, for a bundle whose reranker "
+        "reads knowledge (default: the bundle's own)",
+    )
 
 
-def _remote(url: str, api_key: str | None):
+def _remote(url: str, api_key: str | None, knowledge: list[str] | None):
     """``answer(context, said)`` against a running service's POST /respond."""
     import urllib.error
     import urllib.request
 
     def answer(context: list[str], said: list[int], n: int, show: int) -> list[dict]:
         body = {"context": context[-10:], "n_candidates": max(n, show), "top_k": show, "exclude": said[-50:]}
+        if knowledge:
+            body["knowledge"] = knowledge
         headers = {"Content-Type": "application/json"} | ({"X-API-Key": api_key} if api_key else {})
         request = urllib.request.Request(url.rstrip("/") + "/respond", json.dumps(body).encode(), headers)
         try:
@@ -825,22 +834,27 @@ def _remote(url: str, api_key: str | None):
     return answer
 
 
-def _local(path: Path):
+def _local(path: Path, knowledge: list[str] | None):
     """``answer(context, said)`` in-process through :class:`coreply.Responder`."""
     from coreply.responder import Responder
 
     bot = Responder.load(path)
+    if knowledge and not bot.pipeline.reads_knowledge:
+        raise CliError(f"--knowledge: the reranker of {path} does not read knowledge")
 
     def answer(context: list[str], said: list[int], n: int, show: int) -> list[dict]:
-        found = bot.respond(context[-10:], top_k=show, n_candidates=max(n, show), exclude_ids=said[-50:])
+        found = bot.respond(
+            context[-10:], top_k=show, n_candidates=max(n, show), exclude_ids=said[-50:], knowledge=knowledge
+        )
         return [{"text": r.text, "id": r.id, "score": r.score} for r in found]
 
     return answer
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
+    knowledge = _knowledge_file(args.knowledge) if args.knowledge else None
     if args.url:
-        answer = _remote(args.url, args.api_key)
+        answer = _remote(args.url, args.api_key, knowledge)
     else:
         from service.settings import DEFAULT_BUNDLE
 
@@ -849,7 +863,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             from index_builder.default import ensure_default_bundle
 
             ensure_default_bundle(path)
-        answer = _local(path)
+        answer = _local(path, knowledge)
     print("coreply chat: type a message; /reset starts over, /quit (or Ctrl-D) leaves", flush=True)
     context: list[str] = []
     said: list[int] = []

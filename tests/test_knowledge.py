@@ -316,3 +316,18 @@ def test_cli_ground_train_eval_and_index_build(tmp_path, tiny_model_dir, tiny_co
     grounded = ["--cross", str(run / "cross"), "--knowledge-retriever", str(run / "knowledge")]
     assert main([*build, "-o", str(tmp_path / "b2"), *grounded, "--knowledge", str(persona)]) == 0
     assert json.loads((tmp_path / "b2" / "knowledge.json").read_text()) == {"sentences": ["pizza and pasta"]}
+
+
+def test_chat_sends_a_persona(tmp_path, grounded_bundle, tiny_bundle):
+    import subprocess
+    import sys
+
+    persona = tmp_path / "persona.txt"
+    persona.write_text("yes have a dog and a cat\ni live in a city\n")
+    chat = [sys.executable, "-m", "cli", "chat", "--knowledge", str(persona), "--bundle"]
+    done = subprocess.run(
+        [*chat, str(grounded_bundle)], input="hello\n/quit\n", capture_output=True, text=True
+    )
+    assert done.returncode == 0 and "bot> " in done.stdout, done.stderr
+    refused = subprocess.run([*chat, str(tiny_bundle)], input="hello\n", capture_output=True, text=True)
+    assert refused.returncode == 2 and "does not read knowledge" in refused.stderr
