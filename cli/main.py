@@ -332,7 +332,9 @@ def _ground_parser(sub) -> None:
         help="knowledge retriever checkpoint; without it the ranker reads all sentences as given",
     )
     e.add_argument("--no-knowledge", action="store_true", help="withhold the knowledge (an ablation)")
-    e.add_argument("--top-m", type=at_least(1), default=d.top_m, help="sentences the retriever picks")
+    e.add_argument(
+        "--top-m", type=at_least(1), default=None, help="sentences the retriever picks (default: as trained)"
+    )
     e.add_argument(
         "--data", default="chitchat", help="'chitchat' (persona knowledge, test split) or a JSONL file"
     )
@@ -400,6 +402,7 @@ def _cmd_ground(args: argparse.Namespace) -> int:
 def _ground_eval(args: argparse.Namespace) -> int:
     from coreply.checkpoint import load_checkpoint
     from coreply.device import resolve_device
+    from coreply.knowledge import trained_top_m
     from coreply.text import normalize
     from evaluation.grounded import evaluate_grounded, significance
 
@@ -414,8 +417,9 @@ def _ground_eval(args: argparse.Namespace) -> int:
     if len({normalize(t) for t in negatives}) < 2:
         raise CliError(f"--data {args.data}: the test responses need at least 2 distinct texts")
     name = args.name or Path(args.out).stem
+    top_m = args.top_m or trained_top_m(args.cross)
     result = evaluate_grounded(
-        name, cross, retriever, test, negatives, args.candidates, args.top_m, not args.no_knowledge, args.seed
+        name, cross, retriever, test, negatives, args.candidates, top_m, not args.no_knowledge, args.seed
     )
     result["against"] = {}
     for path in args.against:
@@ -603,7 +607,12 @@ def _index_parser(sub) -> None:
         metavar="FILE",
         help="default knowledge for requests that bring none (a persona, facts): one sentence per line",
     )
-    b.add_argument("--top-m", type=at_least(1), default=5, help="knowledge sentences the reranker reads")
+    b.add_argument(
+        "--top-m",
+        type=at_least(1),
+        default=None,
+        help="knowledge sentences the reranker reads (default: what it was trained with, else 5)",
+    )
     b.add_argument("--pool", default="chitchat", help="'chitchat' (built-in) or a .txt / .jsonl pool file")
     b.add_argument(
         "--queries",

@@ -26,6 +26,16 @@ from coreply.corpus import SPLITS, Pair, chitchat_path, speaker_turns, split_of
 from coreply.text import normalize
 
 _WORD = re.compile(r"[a-z0-9']+")
+DEFAULT_TOP_M = 5  # RecKGC's m
+
+
+def trained_top_m(cross_dir: str | Path) -> int:
+    """How many knowledge sentences the ranker in ``cross_dir`` was trained to read (``coreply ground
+    train`` records it), else :data:`DEFAULT_TOP_M`: what evaluation and bundles pick unless told."""
+    from coreply.checkpoint import read_meta
+
+    trained = read_meta(cross_dir, verify=False).get("extra", {}).get("grounded_config", {})
+    return int(trained.get("top_m") or DEFAULT_TOP_M)
 
 
 def words(text: str) -> list[str]:

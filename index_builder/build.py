@@ -37,6 +37,7 @@ from coreply.config import ZERO_SHOT
 from coreply.corpus import Pair, distinct
 from coreply.device import resolve_device
 from coreply.inference import Backend, export_onnx
+from coreply.knowledge import trained_top_m
 from coreply.ranking import Pipeline
 from coreply.text import normalize
 from coreply.tokenization import flat_pieces
@@ -115,18 +116,18 @@ def build_bundle(
     command: str = "",
     knowledge_retriever: str | None = None,
     knowledge: Sequence[str] = (),
-    top_m: int = 5,
+    top_m: int | None = None,
 ) -> dict[str, Any]:
     """Encode ``texts`` (normalised duplicates dropped, first spelling kept, ids in order) and write a
     bundle to ``out`` atomically. ``queries`` (contexts) measure the index's recall against exact search;
     ``calibration`` pairs (with a reranker) choose the z-score fusion weight; ``metadata`` (one dict per
     text, if given) is stored with each response and returned by the service; ``command`` is recorded as
     what built the bundle. A reranker that reads knowledge may come with ``knowledge_retriever`` (picks
-    the ``top_m`` sentences it reads; without one it reads them as given) and a default ``knowledge``
-    set for requests that bring none."""
+    the ``top_m`` sentences it reads, default: as many as it was trained with; without one it reads them as
+    given) and a default ``knowledge`` set for requests that bring none."""
     if onnx not in ONNX_CHOICES:
         raise ValueError(f"--onnx must be one of {ONNX_CHOICES}, got {onnx!r}")
-    if top_m < 1:
+    if top_m is not None and top_m < 1:
         raise ValueError(f"--top-m must be >= 1, got {top_m}")
     knowledge = [k for k in (t.strip() for t in knowledge) if k]
     started = time.perf_counter()
@@ -164,7 +165,7 @@ def build_bundle(
             manifest["models"]["knowledge"] = _model_entry(tmp / "knowledge", knowledge_retriever)
         if grounded:
             manifest["knowledge"] = {
-                "top_m": top_m if knowledge_retriever else None,
+                "top_m": (top_m or trained_top_m(tmp / "cross")) if knowledge_retriever else None,
                 "default_sentences": len(knowledge),
                 "max_knowledge_tokens": cross_model.config.max_knowledge_tokens,
             }

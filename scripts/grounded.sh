@@ -45,7 +45,7 @@ evaluate reciprocal --cross "$RUNS/reciprocal/cross" --knowledge-retriever "$RUN
   "${against[@]}" "$RUNS/eval-all.json" "$RUNS/eval-frozen.json"
 evaluate reciprocal-withheld --cross "$RUNS/reciprocal/cross" --no-knowledge \
   --against "$RUNS/eval-reciprocal.json" "$RUNS/eval-none.json"
-cp "$RUNS"/eval-*.json "$OUT/" 2>/dev/null || true
+for f in "$RUNS"/eval-*.json; do n=$(basename "$f" .json); cp "$f" "$OUT/eval-grounded-${n#eval-}-$SCALE.json"; done
 for f in "$RUNS"/eval-*.json; do
   python3 -c "import json,sys; r=json.load(open(sys.argv[1])); m=r['metrics']; print(r['meta']['name'], r['meta']['knowledge'], round(m['hits@1'],1), round(m['mrr'],1), r.get('against'))" "$f"
 done
