@@ -284,7 +284,7 @@ def test_cli_ground_train_eval_and_index_build(tmp_path, tiny_model_dir, tiny_co
     out = tmp_path / "eval.json"
     evaluate = ["ground", "eval", "--cross", str(run / "cross"), "--data", str(data), "--candidates", "4"]
     assert main([*evaluate, "--knowledge-retriever", str(run / "knowledge"), "--out", str(out)]) == 0
-    assert json.loads(out.read_text())["meta"]["knowledge"] == "retrieved top-5"
+    assert json.loads(out.read_text())["meta"]["knowledge"] == "retrieved top-2"  # as trained
     persona = tmp_path / "persona.txt"
     persona.write_text("pizza and pasta\n\n")
     build = [
@@ -316,6 +316,7 @@ def test_cli_ground_train_eval_and_index_build(tmp_path, tiny_model_dir, tiny_co
     grounded = ["--cross", str(run / "cross"), "--knowledge-retriever", str(run / "knowledge")]
     assert main([*build, "-o", str(tmp_path / "b2"), *grounded, "--knowledge", str(persona)]) == 0
     assert json.loads((tmp_path / "b2" / "knowledge.json").read_text()) == {"sentences": ["pizza and pasta"]}
+    assert json.loads((tmp_path / "b2" / "manifest.json").read_text())["knowledge"]["top_m"] == 2
 
 
 def test_chat_sends_a_persona(tmp_path, grounded_bundle, tiny_bundle):
