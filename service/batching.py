@@ -58,19 +58,31 @@ class MicroBatcher:
         self.max_size, self.max_wait_s = max_size, max_wait_s
         self.queue: asyncio.Queue[_Job] = asyncio.Queue(max_queue)
         self.worker: asyncio.Task | None = None
+        self.taken: list[_Job] = []  # jobs the worker has taken off the queue and not yet answered
+        self.stopped = False
 
     def start(self) -> None:
         self.worker = asyncio.get_running_loop().create_task(self._loop(), name=f"batcher-{self.name}")
 
     async def stop(self) -> None:
+        """Stop the worker. Every job it has not answered, and every later submit, gets
+        :class:`Overloaded` (503, retry): no caller waits forever on a stopped batcher."""
         if self.worker is not None:
             self.worker.cancel()
             await asyncio.gather(self.worker, return_exceptions=True)
             self.worker = None
+        self.stopped = True
+        pending = self.taken + [self.queue.get_nowait() for _ in range(self.queue.qsize())]
+        for job in pending:
+            if not job.future.done():
+                job.future.set_exception(Overloaded(f"{self.name} stopped before this request ran; retry"))
+        self.taken = []
 
     async def submit(self, item: Any, size: int = 1, deadline: float | None = None) -> Done:
         """Queue ``item`` and wait for its result. A job still waiting at ``deadline`` (a
         ``time.perf_counter()`` value) is dropped before inference with :class:`DeadlineExceeded`."""
+        if self.stopped:
+            raise Overloaded(f"{self.name} has stopped (the bundle was replaced or the server is stopping)")
         future = asyncio.get_running_loop().create_future()
         enqueued = time.perf_counter()
         try:
@@ -86,7 +98,7 @@ class MicroBatcher:
             raise DeadlineExceeded(f"no result within the deadline ({waited:.3f} s queued)") from None
 
     async def _gather(self) -> list[_Job]:
-        jobs = [await self.queue.get()]
+        jobs = self.taken = [await self.queue.get()]
         size = jobs[0].size
         deadline = time.perf_counter() + self.max_wait_s
         while size < self.max_size:
@@ -121,3 +133,4 @@ class MicroBatcher:
             for job, result in zip(jobs, results, strict=True):
                 if not job.future.done():
                     job.future.set_result(Done(result, started - job.enqueued, stages, len(jobs)))
+            self.taken = []

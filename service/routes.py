@@ -44,6 +44,9 @@ def build_router(settings: Settings, request_model: type) -> APIRouter:
             description="drop the request with 504 if it is still queued after this many ms",
         ),
     ) -> Any:
+        # The engine serving now: a hot reload may have retired the one resolved before the body was read.
+        # Nothing awaits between this read and respond() counting the request, so retire() waits for it.
+        engine = state.engine or engine
         note = request.state.log  # the access-log line's extra fields
         if settings.log_text:
             note["context"] = body.context

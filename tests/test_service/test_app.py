@@ -295,6 +295,34 @@ def test_batches_are_bounded_and_errors_reach_every_caller():
     assert all(isinstance(f, RuntimeError) for f in failed)
 
 
+def test_a_stopped_batcher_answers_what_it_holds_and_refuses_more():
+    """No caller waits forever on a retired engine: jobs queued or taken at stop() get Overloaded (503,
+    retry), and so does a submit after it."""
+    started = threading.Event()
+    release = threading.Event()
+
+    def run(items):
+        started.set()
+        release.wait(5)
+        return list(items), {}
+
+    async def scenario(executor):
+        batcher = MicroBatcher("t", run, executor, max_size=1, max_wait_s=0.0, max_queue=4)
+        batcher.start()
+        running = asyncio.ensure_future(batcher.submit("a"))
+        queued = asyncio.ensure_future(batcher.submit("b"))
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        await batcher.stop()
+        release.set()
+        late = await asyncio.gather(asyncio.wait_for(batcher.submit("c"), 2), return_exceptions=True)
+        held = asyncio.gather(running, queued, return_exceptions=True)
+        return await asyncio.wait_for(held, 5), late  # a timeout here: a caller left waiting
+
+    held, late = run_batcher(scenario)
+    assert all(isinstance(r, Overloaded) for r in [*held, *late]), (held, late)
+
+
 def test_draining_turns_readiness_off_at_once_but_serves_admitted_requests(tiny_bundle):
     app = create_app(Settings(bundle=tiny_bundle, threads=1))
     with TestClient(app) as c:
