@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from coreply.config import ZERO_SHOT, ModelConfig
+from coreply.restatement import DEFAULT_QUANTILE
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -41,6 +42,16 @@ def at_least(low: int):
 
     parse.__name__ = "int"
     return parse
+
+
+def guard_quantile(text: str) -> float | None:
+    """An argparse type: 'off', or the restatement guard's quantile in [0.5, 1)."""
+    if text == "off":
+        return None
+    value = float(text)
+    if not 0.5 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be 'off' or in [0.5, 1), got {text}")
+    return value
 
 
 def _load_data(spec: str, max_turns: int) -> dict[str, list]:
@@ -490,6 +501,13 @@ def _eval_parser(sub) -> None:
         default=ZERO_SHOT,
         help="bi-encoder that judges restatements of the last turn ('zero-shot', a checkpoint, or 'none')",
     )
+    p.add_argument(
+        "--restatement-quantile",
+        type=guard_quantile,
+        default=DEFAULT_QUANTILE,
+        help="protocol B with the bi-encoder also recalls through the restatement guard that a bundle "
+        "serves, calibrated on the validation pairs at this quantile ('off': without it)",
+    )
     p.add_argument("--out", required=True, help="JSON file to write")
 
 
@@ -540,6 +558,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         seed=args.seed,
         device=device,
         judge=None if args.judge == "none" else args.judge,
+        guard_pairs=valid,
+        guard_quantile=args.restatement_quantile,
     )
     result = run_eval(spec)
     write_json_atomic(Path(args.out), result)
@@ -617,8 +637,16 @@ def _index_parser(sub) -> None:
     b.add_argument(
         "--queries",
         default=None,
-        help="pairs file: its contexts measure ANN recall, its pairs calibrate the z-score weight (with "
-        "--cross); default: the built-in valid split for the chitchat pool, none for a file",
+        help="pairs file: its contexts measure ANN recall, its pairs calibrate the restatement guard and "
+        "the z-score weight (with --cross); default: the built-in valid split for the chitchat pool, none "
+        "for a file",
+    )
+    b.add_argument(
+        "--restatement-quantile",
+        type=guard_quantile,
+        default=DEFAULT_QUANTILE,
+        help="drop answers whose similarity to the last turn reaches this quantile of the human replies' "
+        f"in --queries (default {DEFAULT_QUANTILE}; 'off': keep them)",
     )
     b.add_argument("--factory", default="Flat", help="FAISS factory string, e.g. Flat, IVF1024,Flat, HNSW32")
     b.add_argument("--search-params", default="", help="e.g. nprobe=16 or efSearch=128")
@@ -692,6 +720,8 @@ def _cmd_index(args: argparse.Namespace) -> int:
     calibration = pairs[: args.calibrate] if args.cross else []
     if args.cross and not calibration:
         print("note: no --queries pairs to calibrate on: the z-score fusion weight stays at its default")
+    if args.restatement_quantile is not None and not pairs:
+        print("note: no --queries pairs to calibrate on: the bundle has no restatement guard")
     manifest = build_bundle(
         args.output,
         texts,
@@ -709,6 +739,8 @@ def _cmd_index(args: argparse.Namespace) -> int:
         knowledge_retriever=args.knowledge_retriever,
         knowledge=_knowledge_file(args.knowledge) if args.knowledge else (),
         top_m=args.top_m,
+        guard_pairs=pairs,
+        guard_quantile=args.restatement_quantile,
     )
     info, dropped = manifest["index"], manifest["build"]["dropped_duplicates_or_blank"]
     if dropped:

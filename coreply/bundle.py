@@ -287,8 +287,9 @@ def make_backend(bundle: Bundle, backend: str = "auto", threads: int = 1, device
 class IndexRetriever:
     """:class:`coreply.ranking.Retriever` over a bundle: encode the contexts with a backend, search the
     index. ``timings`` holds the last call's seconds per stage (the service reports them). With a
-    Poly-encoder backend the hits carry its context codes and :meth:`vectors` reads candidates'
-    response vectors back from the index (the poly stage's cache)."""
+    Poly-encoder backend the hits carry its context codes. :meth:`vectors` reads candidates' response
+    vectors back from the index (the poly stage's cache; the restatement guard compares them with
+    :meth:`encode_responses` of the last turns)."""
 
     def __init__(self, backend: Any, index: Any) -> None:
         self.backend, self.index = backend, index
@@ -312,10 +313,14 @@ class IndexRetriever:
         """[n] pool ids -> [n, D], as stored in the index."""
         return self.index.reconstruct_batch(np.asarray(ids, dtype="int64"))
 
+    def encode_responses(self, texts: Sequence[str]) -> np.ndarray:
+        """[n] texts -> [n, D] by the retriever's response tower."""
+        return self.backend.encode_responses(texts)
+
 
 def _readable(index: Any, root: Path) -> None:
-    """Make sure the poly stage can read response vectors back from ``index`` (an IVF index needs its
-    direct map; a product-quantised one hands back its approximations, as its search uses them)."""
+    """Make sure response vectors can be read back from ``index`` (an IVF index needs its direct map; a
+    product-quantised one hands back its approximations, as its search uses them)."""
     if isinstance(index, TorchExactIndex):
         return
     import faiss
@@ -326,17 +331,19 @@ def _readable(index: Any, root: Path) -> None:
         index.reconstruct(0)
     except RuntimeError as exc:
         raise BundleError(
-            f"{root}: the poly stage cannot read response vectors from this index ({exc})"
+            f"{root}: cannot read response vectors back from this index ({exc}); the poly stage and the "
+            "restatement guard need them"
         ) from exc
 
 
 def pipeline(bundle: Bundle, backend: Any, index: Any = None) -> Pipeline:
     """The bundle's ranking pipeline on ``backend`` (over ``index``, default the bundle's own), with the
-    z-score weight it was calibrated with. The rerank stage is the cross-encoder if the bundle has one,
-    else the poly stage if its retriever is a Poly-encoder."""
+    z-score weight and restatement guard it was calibrated with. The rerank stage is the cross-encoder if
+    the bundle has one, else the poly stage if its retriever is a Poly-encoder."""
     weight = float(bundle.manifest.get("fusion", {}).get("zscore_weight", ZSCORE_WEIGHT))
+    guard = bundle.manifest.get("restatement")
     index = bundle.index if index is None else index
-    if backend.poly_codes and not backend.has_cross:
+    if guard or (backend.poly_codes and not backend.has_cross):
         _readable(index, bundle.root)
     retrieve = IndexRetriever(backend, index)
     score = backend.score_pairs if backend.has_cross else None
@@ -349,4 +356,5 @@ def pipeline(bundle: Bundle, backend: Any, index: Any = None) -> Pipeline:
         poly=bool(backend.poly_codes),
         select_knowledge=backend.select_knowledge,
         reads_knowledge=backend.reads_knowledge,
+        restatement=float(guard["threshold"]) if guard else None,
     )

@@ -1,4 +1,5 @@
-"""The ranking path, written once: recall -> drop echoes and exclusions -> rerank -> fuse -> order.
+"""The ranking path, written once: recall -> drop echoes, exclusions and restatements -> rerank -> fuse
+-> order.
 
 The rerank stage is a cross-encoder (pairs through a transformer) or, when the retriever is a
 Poly-encoder, the poly stage: its context codes attend over the candidates' cached response vectors
@@ -21,6 +22,7 @@ from typing import Literal, Protocol, get_args
 import numpy as np
 import torch
 
+from coreply import restatement
 from coreply.models import poly_scores
 from coreply.text import normalize
 
@@ -40,8 +42,9 @@ class Hits:
 
 
 class Retriever(Protocol):
-    """Finds hits for a batch of contexts. A Poly-encoder retriever's hits also carry codes, and it
-    has ``vectors(ids [n]) -> [n, D]``, the cached response vectors the poly stage reads."""
+    """Finds hits for a batch of contexts. A Poly-encoder retriever's hits also carry codes. A dense
+    retriever also has ``vectors(ids [n]) -> [n, D]`` (the pool's response vectors: the poly stage and the
+    restatement guard read them) and ``encode_responses(texts [n]) -> [n, D]`` (the guard's last turns)."""
 
     def __call__(self, contexts: Sequence[Sequence[str]], k: int) -> Hits: ...
 
@@ -57,13 +60,15 @@ first: a :class:`~coreply.knowledge.KnowledgeSelector`."""
 
 @dataclass(frozen=True)
 class Query:
-    """One query: the dialogue so far, pool entries that must not be answered (by text or id), and
-    background knowledge the reply may draw on (a persona, an operator's facts)."""
+    """One query: the dialogue so far, pool entries that must not be answered (by text or id),
+    background knowledge the reply may draw on (a persona, an operator's facts), and whether answers may
+    restate the last turn (by default a guarded pipeline drops them)."""
 
     context: Sequence[str]
     exclude_texts: Sequence[str] = ()
     exclude_ids: Collection[int] = frozenset()
     knowledge: Sequence[str] = ()
+    allow_restatements: bool = False
 
     def depth(self, n: int) -> int:
         """How many hits to fetch so that ``n`` survive the filter: the pool holds each normalised text
@@ -149,7 +154,9 @@ class Pipeline:
     calibrated with. ``texts`` and ``keys`` (normalised texts) are the pool, row i = id i. The rerank
     stage is the cross-encoder ``score_pairs`` when given, else with ``poly`` the Poly-encoder
     retriever's own codes, else none. A cross-encoder that reads knowledge is given each query's
-    knowledge as ``select_knowledge`` narrows it (:meth:`ground`), or as the query carries it."""
+    knowledge as ``select_knowledge`` narrows it (:meth:`ground`), or as the query carries it. With a
+    ``restatement`` threshold, recall drops candidates that restate the last turn
+    (:mod:`coreply.restatement`)."""
 
     def __init__(
         self,
@@ -161,21 +168,40 @@ class Pipeline:
         poly: bool = False,
         select_knowledge: SelectKnowledge | None = None,
         reads_knowledge: bool = False,
+        restatement: float | None = None,
     ) -> None:
         self.retrieve, self.texts, self.keys = retrieve, texts, keys
         self.score_pairs, self.weight = score_pairs, weight
         self.select_knowledge, self.reads_knowledge = select_knowledge, reads_knowledge
+        self.restatement = restatement
         if poly and score_pairs is None and not hasattr(retrieve, "vectors"):
             raise ValueError("the poly stage needs a Poly-encoder retriever (with cached response vectors)")
+        if restatement is not None and not (
+            hasattr(retrieve, "vectors") and hasattr(retrieve, "encode_responses")
+        ):
+            raise ValueError("the restatement guard needs a dense retriever (response vectors)")
         self.reranker = "cross" if score_pairs is not None else "poly" if poly else None
 
     def recall(self, queries: Sequence[Query], n: Sequence[int]) -> list[Candidates]:
         """Up to ``n[i]`` answerable candidates for each query, from one retrieval call for all."""
-        k = min(max(q.depth(m) for q, m in zip(queries, n, strict=True)), len(self.texts))
+        margin = restatement.MARGIN if self.restatement is not None else 0
+        k = min(max(q.depth(m) for q, m in zip(queries, n, strict=True)) + margin, len(self.texts))
         hits = self.retrieve([q.context for q in queries], k)
+        keep = [q.keep(hits.ids[i], self.keys) for i, q in enumerate(queries)]
+        if self.restatement is not None:
+            guarded = [i for i, q in enumerate(queries) if not q.allow_restatements]
+            masks = restatement.restating(
+                self.retrieve.encode_responses,  # type: ignore[attr-defined]
+                self.retrieve.vectors,  # type: ignore[attr-defined]
+                [queries[i].context[-1] for i in guarded],
+                [hits.ids[i][keep[i]] for i in guarded],
+                self.restatement,
+            )
+            for i, restates in zip(guarded, masks, strict=True):
+                keep[i] = [j for j, bad in zip(keep[i], restates, strict=True) if not bad]
         out = []
-        for i, (query, want) in enumerate(zip(queries, n, strict=True)):
-            kept = query.keep(hits.ids[i], self.keys)[:want]
+        for i, want in enumerate(n):
+            kept = keep[i][:want]
             codes = None if hits.codes is None else hits.codes[i]
             scores = np.asarray(hits.scores[i], dtype="float64")[kept]
             out.append(Candidates(np.asarray(hits.ids[i])[kept], scores, codes=codes))

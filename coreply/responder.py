@@ -56,11 +56,13 @@ class Responder:
         exclude_ids: Sequence[int] = (),
         exclude_texts: Sequence[str] = (),
         knowledge: Sequence[str] | None = None,
+        allow_restatements: bool = False,
     ) -> list[Reply]:
         """The best ``top_k`` of ``n_candidates`` recalled for ``context`` (oldest utterance first), never
-        a copy of a context turn nor an excluded response; reranked and fused unless ``fusion`` is
-        ``retrieval`` (default: z-score fusion with a rerank stage, else retrieval). ``knowledge`` (a
-        persona, facts) grounds a reranker that reads it; default: the bundle's own, if any."""
+        a copy of a context turn nor an excluded response, nor (with the bundle's restatement guard,
+        unless ``allow_restatements``) a restatement of the last turn; reranked and fused unless
+        ``fusion`` is ``retrieval`` (default: z-score fusion with a rerank stage, else retrieval).
+        ``knowledge`` (a persona, facts) grounds a reranker that reads it; default: the bundle's own."""
         fusion = fusion or self.default_fusion
         if fusion not in FUSIONS:
             raise ValueError(f"fusion must be one of {FUSIONS}, got {fusion!r}")
@@ -71,7 +73,9 @@ class Responder:
         if knowledge and not self.pipeline.reads_knowledge:
             raise ValueError("knowledge: this bundle's reranker does not read knowledge")
         knowledge = self.bundle.knowledge if knowledge is None else knowledge
-        query = Query(tuple(context), tuple(exclude_texts), frozenset(exclude_ids), tuple(knowledge))
+        query = Query(
+            tuple(context), tuple(exclude_texts), frozenset(exclude_ids), tuple(knowledge), allow_restatements
+        )
         (candidates,) = self.pipeline.recall([query], [n_candidates])
         if fusion != "retrieval" and len(candidates.ids):
             self.pipeline.rerank(self.pipeline.ground([query]), [candidates], n_candidates)

@@ -126,7 +126,8 @@ class BM25Retriever:
 class DenseRetriever:
     """Bi-encoder + exact inner-product search over the pool: one matmul and a top-k on the model's
     device (the GPU when training there; evaluation needs no FAISS). A Poly-encoder's hits also carry
-    its context codes, and :meth:`vectors` hands out the pool's response vectors for the poly stage."""
+    its context codes, and :meth:`vectors` hands out the pool's response vectors (for the poly stage and
+    the restatement guard)."""
 
     def __init__(self, bi: BiEncoder, pool: Sequence[str]) -> None:
         self.bi = bi
@@ -152,6 +153,10 @@ class DenseRetriever:
     def vectors(self, ids: np.ndarray) -> np.ndarray:
         """[n] pool ids -> [n, D]"""
         return self.embeddings[torch.as_tensor(ids, device=self.embeddings.device)].float().cpu().numpy()
+
+    def encode_responses(self, texts: Sequence[str]) -> np.ndarray:
+        """[n] texts -> [n, D] by the response tower (the restatement guard's last turns)."""
+        return self.bi.embed_responses(texts).float().cpu().numpy()
 
 
 @dataclass

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import platform
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
 import numpy as np
 import torch
 
+from coreply import restatement
 from coreply.checkpoint import load_bi, load_checkpoint, read_meta
 from coreply.config import ZERO_SHOT
 from coreply.corpus import Pair, build_pool
@@ -49,7 +50,9 @@ class EvalSpec:
     candidates: int = 100
     seed: int = 0
     device: str = "cpu"
-    judge: str | None = ZERO_SHOT  # bi-encoder judging restatements (training/restatement.py); None: skip
+    judge: str | None = ZERO_SHOT  # bi-encoder judging restatements (evaluation/restatement.py); None: skip
+    guard_pairs: list[Pair] = field(default_factory=list)  # held-out pairs calibrating the guard
+    guard_quantile: float | None = restatement.DEFAULT_QUANTILE  # None: protocol B without the guard
 
 
 def _row(name: str, ranks: list[float], **extra: Any) -> dict[str, Any]:
@@ -69,6 +72,14 @@ def run_eval(spec: EvalSpec) -> dict[str, Any]:
 
     def restates(answers: list[str | None]) -> dict[str, float]:
         return {"restates": round(judge.rate(contexts, answers), 2)} if judge else {}
+
+    def retrieval_row(label: str, got: Retrieved) -> dict[str, Any]:
+        return _row(
+            label,
+            ranks_for(spec.test, keys, got, "retrieval", depth),
+            ms_per_case=round(1000 * got.retrieve_s / len(spec.test), 2),
+            **restates(top_answers(spec.pool, got, "retrieval", depth)),
+        )
 
     if judge:
         result["restatement"] = {
@@ -98,27 +109,28 @@ def run_eval(spec: EvalSpec) -> dict[str, Any]:
                     raise ValueError("retriever 'bi' needs --bi")
                 retrieve, label = DenseRetriever(bi, spec.pool), bi_name  # type: ignore[assignment]
             t0 = time.perf_counter()
-            got = retrieve_and_rerank(spec.test, Pipeline(retrieve, spec.pool, keys), depth, 0)
-            per_case_ms = 1000 * got.retrieve_s / len(spec.test)
-            result["B"].append(
-                _row(
-                    label,
-                    ranks_for(spec.test, keys, got, "retrieval", depth),
-                    ms_per_case=round(per_case_ms, 2),
-                    **restates(top_answers(spec.pool, got, "retrieval", depth)),
+            recall = Pipeline(retrieve, spec.pool, keys)
+            got = retrieve_and_rerank(spec.test, recall, depth, 0)
+            guard = None
+            if spec.guard_quantile is not None and spec.guard_pairs and retriever_name == "bi":
+                # the row without the guard, then the guarded recall every rerank stage reads (as served)
+                result["B"].append(retrieval_row(label, got))
+                guard = restatement.calibrate(
+                    retrieve.encode_responses, spec.guard_pairs, spec.guard_quantile
                 )
-            )
+                recall = Pipeline(retrieve, spec.pool, keys, restatement=guard["threshold"])
+                got = retrieve_and_rerank(spec.test, recall, depth, 0)
+                label = f"{label} + guard"
+                result.setdefault("restatement", {})["guard"] = guard
+            per_case_ms = 1000 * got.retrieve_s / len(spec.test)
+            result["B"].append(retrieval_row(label, got))
             stages = []  # (name, pipeline) per rerank stage this retriever can feed
             if cross is not None:
                 score = lambda c, r: cross.score_pairs(c, r).numpy()  # noqa: E731
                 stages.append((cross_name, Pipeline(retrieve, spec.pool, keys, score)))
             if isinstance(retrieve, DenseRetriever) and isinstance(bi, PolyEncoder):
                 stages.append((poly_name, Pipeline(retrieve, spec.pool, keys, poly=True)))
-            valid_got = (
-                retrieve_and_rerank(spec.valid, Pipeline(retrieve, spec.pool, keys), depth, 0)
-                if spec.valid and stages
-                else None
-            )
+            valid_got = retrieve_and_rerank(spec.valid, recall, depth, 0) if spec.valid and stages else None
             for stage_name, stage in stages:
                 reranked = rerank(spec.test, got, stage, max(spec.n_r))
                 valid_reranked = rerank(spec.valid, valid_got, stage, max(spec.n_r)) if valid_got else None
@@ -221,12 +233,25 @@ def render_markdown(
             f"{m['valid_pairs_for_calibration']} validation pairs to choose the z-score weight.",
             "",
         ]
-    gold = next((r["restatement"] for r in results if "restatement" in r), None)
+    gold = next((r["restatement"] for r in results if "gold" in r.get("restatement", {})), None)
     if gold:
         lines += [
             f"restates %: share of top-1 answers whose cosine with the context's last turn, under "
-            f"{gold['judge']}, is at least {gold['threshold']} (training/restatement.py); the human (gold) "
+            f"{gold['judge']}, is at least {gold['threshold']} (evaluation/restatement.py); the human (gold) "
             f"replies do so in {gold['gold']:.1f} % of these cases.",
+            "",
+        ]
+    guards = [
+        (r["meta"]["name"], r["restatement"]["guard"]) for r in results if "guard" in r.get("restatement", {})
+    ]
+    if guards:
+        thresholds = "; ".join(
+            f"{n} {g['threshold']} ({g['quantile']}, {g['calibrated_on']})" for n, g in guards
+        )
+        lines += [
+            "+ guard: protocol B recall without the candidates whose cosine with the last turn, under the "
+            "row's own retriever, reaches that quantile of held-out human replies' (coreply/restatement.py): "
+            f"{thresholds}. Every rerank row of such a run reranks the guarded recall.",
             "",
         ]
     if runs:

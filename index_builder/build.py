@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from coreply import restatement
 from coreply.artifacts import link_or_copy, staging
 from coreply.bundle import (
     INDEX,
@@ -117,6 +118,8 @@ def build_bundle(
     knowledge_retriever: str | None = None,
     knowledge: Sequence[str] = (),
     top_m: int | None = None,
+    guard_pairs: Sequence[Pair] = (),
+    guard_quantile: float | None = restatement.DEFAULT_QUANTILE,
 ) -> dict[str, Any]:
     """Encode ``texts`` (normalised duplicates dropped, first spelling kept, ids in order) and write a
     bundle to ``out`` atomically. ``queries`` (contexts) measure the index's recall against exact search;
@@ -124,11 +127,14 @@ def build_bundle(
     text, if given) is stored with each response and returned by the service; ``command`` is recorded as
     what built the bundle. A reranker that reads knowledge may come with ``knowledge_retriever`` (picks
     the ``top_m`` sentences it reads, default: as many as it was trained with; without one it reads them as
-    given) and a default ``knowledge`` set for requests that bring none."""
+    given) and a default ``knowledge`` set for requests that bring none. ``guard_pairs`` (held-out
+    pairs) calibrate the restatement guard at ``guard_quantile`` (None, or no pairs: no guard)."""
     if onnx not in ONNX_CHOICES:
         raise ValueError(f"--onnx must be one of {ONNX_CHOICES}, got {onnx!r}")
     if top_m is not None and top_m < 1:
         raise ValueError(f"--top-m must be >= 1, got {top_m}")
+    if guard_quantile is not None and not 0.5 <= guard_quantile < 1:
+        raise ValueError(f"--restatement-quantile must be in [0.5, 1) or 'off', got {guard_quantile}")
     knowledge = [k for k in (t.strip() for t in knowledge) if k]
     started = time.perf_counter()
     torch_device = resolve_device(device)
@@ -180,6 +186,9 @@ def build_bundle(
         index = make_index(vectors, factory)
         apply_search_params(index, search_params)
         recall = recall_vs_exact(index, vectors, query_vectors) if query_vectors is not None else {}
+        if guard_quantile is not None and guard_pairs:
+            guard = restatement.calibrate(backend.encode_responses, guard_pairs, guard_quantile)
+            manifest["restatement"] = guard
         ranking = pipeline(bundle, backend, index)
         if ranking.reranker is not None and calibration:
             manifest["fusion"] = calibrate_zscore(ranking, calibration)

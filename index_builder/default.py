@@ -4,8 +4,9 @@ plus the compact CORE-trained retriever shipped in this repository.
 Recipe: the CORE-trained bi-encoder in ``coreply/weights/core-lora-bi`` (low-rank adapters over
 all-MiniLM-L6-v2, scaled cosine, one shared tower; provenance and measured metrics in its
 ``checkpoint.json`` and in ``coreply/weights/README.md``) as the retriever over every distinct response
-of the chitchat corpus (124,141), int8 ONNX, exact inner-product search. No reranker: the CORE
-cross-encoder of the same run is still below the retriever (docs/results.md §7).
+of the chitchat corpus (124,141), int8 ONNX, exact inner-product search, and the restatement guard
+calibrated on the validation split (:mod:`coreply.restatement`). No reranker: the CORE cross-encoder of
+the same run is still below the retriever (docs/results.md §7).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any
 import coreply
 
 RECALL_QUERIES = 500
+RECIPE = "default bundle, recipe 2 (restatement guard)"
+"""Recorded as the bundle's build command; a default bundle built by another recipe is rebuilt."""
 DEFAULT_BI = Path(coreply.__file__).parent / "weights" / "core-lora-bi"
 
 
@@ -33,20 +36,24 @@ def build_default_bundle(out: str | Path, progress: bool = True) -> dict[str, An
         queries=[p.context for p in splits["valid"][:RECALL_QUERIES]],
         pool_source="chitchat-dataset 0.9.0, all splits",
         progress=progress,
+        command=RECIPE,
+        guard_pairs=splits["valid"],
     )
 
 
 def ensure_default_bundle(path: Path) -> None:
     """Build the default bundle at ``path`` when it is missing, or rebuild it when it was built from
-    other shipped weights than the ones in this checkout (so pulling new weights takes effect)."""
+    other shipped weights or by another recipe than this checkout's (so pulling either takes effect)."""
     from coreply.bundle import MANIFEST, read_manifest
     from coreply.checkpoint import read_meta
 
     if (path / MANIFEST).is_file():
-        built = read_manifest(path, verify=False)["models"]["bi"].get("content_hash")
-        if built == read_meta(DEFAULT_BI)["content_hash"]:
+        manifest = read_manifest(path, verify=False)
+        built = manifest["models"]["bi"].get("content_hash")
+        recipe = manifest.get("build", {}).get("command")
+        if built == read_meta(DEFAULT_BI)["content_hash"] and recipe == RECIPE:
             return  # the server verifies every file when it loads the bundle
-        why = "the shipped retriever changed since it was built"
+        why = "the shipped retriever or the recipe changed since it was built"
     else:
         why = "first start only"
     print(f"building the default bundle in {path} ({why}; a few minutes)", flush=True)

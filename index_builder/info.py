@@ -38,7 +38,7 @@ def describe(path: str | Path) -> list[tuple[str, str]]:
     build, index = m["build"], m["index"]
     added = sum(a["added"] for a in m.get("additions", []))
     recall = ", ".join(f"{k} {v}" for k, v in index["recall_vs_exact"].items()) or "not measured"
-    fusion = m.get("fusion")
+    fusion, guard = m.get("fusion"), m.get("restatement")
     sizes = {name: _size(root / name) for name in sorted({f.split("/")[0] for f in m["files"]})}
     lines = [
         ("bundle", f"{root} (version {m['bundle_version']}, {m['format']}, built {build['created']})"),
@@ -59,6 +59,13 @@ def describe(path: str | Path) -> list[tuple[str, str]]:
             f"z-score weight {fusion['zscore_weight']} ({fusion['calibrated_on']})"
             if fusion
             else "default weight",
+        ),
+        (
+            "guard",
+            f"drops answers restating the last turn: cosine >= {guard['threshold']}, the "
+            f"{guard['quantile']} quantile of human replies ({guard['calibrated_on']})"
+            if guard
+            else "none (restatements of the last turn are not dropped)",
         ),
         ("encoder", f"{m['encoder']}; built on {build['host']} in {build['total_seconds']} s"),
         (

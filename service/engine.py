@@ -19,7 +19,7 @@ from coreply.ranking import Candidates, Query, order
 from coreply.responder import replies
 from service.batching import MicroBatcher
 from service.cascade import Cascade
-from service.metrics import Metrics
+from service.metrics import STAGES, Metrics
 from service.settings import Settings
 
 
@@ -78,9 +78,13 @@ class Engine:
     # ----------------------------------------------------------------- batch functions (inference thread)
 
     def _retrieve_batch(self, items: Sequence[tuple[Query, int]]):
-        """[(query, n)] -> [Candidates], one encode and one search for the whole batch."""
+        """[(query, n)] -> [Candidates], one encode and one search for the whole batch; ``filter`` is the
+        rest of recall (dropping echoes, exclusions and restatements)."""
+        start = time.perf_counter()
         got = self.pipeline.recall([q for q, _ in items], [n for _, n in items])
-        return got, dict(self.pipeline.retrieve.timings)  # type: ignore[attr-defined]
+        timings = dict(self.pipeline.retrieve.timings)  # type: ignore[attr-defined]
+        timings["filter"] = max(time.perf_counter() - start - sum(timings.values()), 0.0)
+        return got, timings
 
     def _rerank_batch(self, items: Sequence[tuple[Query, Candidates]]):
         """[(query, candidates)] -> the candidates with rerank scores, all of them scored in one call."""
@@ -119,7 +123,7 @@ class Engine:
 
     async def _respond(self, job: Job) -> dict:
         started = time.perf_counter()
-        timings = {"queue_wait": 0.0, "encode": 0.0, "search": 0.0, "knowledge": 0.0, "rerank": 0.0}
+        timings = dict.fromkeys(STAGES, 0.0)
         reranks = job.fusion != "retrieval"
         plan = self.cascade.plan(job.n_candidates, reranks, job.top_k) if self.cascade else None
         n_candidates = plan.n_candidates if plan else job.n_candidates

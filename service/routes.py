@@ -77,6 +77,7 @@ def build_router(settings: Settings, request_model: type) -> APIRouter:
             "responses": len(engine.bundle.texts),
             "backend": engine.backend.name,
             "reranker": engine.pipeline.reranker,
+            "restatement_guard": engine.bundle.manifest.get("restatement"),
             "knowledge": {
                 "reads": engine.pipeline.reads_knowledge,
                 "retriever": engine.pipeline.select_knowledge is not None,

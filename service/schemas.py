@@ -5,7 +5,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, create_model, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    create_model,
+    field_validator,
+)
 
 from coreply.ranking import Fusion
 from service.settings import Settings
@@ -76,6 +85,14 @@ def respond_request_model(settings: Settings) -> type[RespondBase]:
                 examples=[["i have two dogs and a cat.", "i work as a nurse on night shifts."]],
             ),
         ),
+        allow_restatements=(
+            StrictBool,
+            Field(
+                False,
+                description="also answer with responses that restate the last turn; by default a bundle "
+                "with a restatement guard drops them (GET /readyz shows its threshold)",
+            ),
+        ),
         exclude=(
             list[excluded],
             Field(
@@ -112,8 +129,9 @@ class RespondResponse(BaseModel):
     n_candidates: int
     bundle_version: str
     timings_ms: dict[str, float] = Field(
-        description="total, queue_wait, encode, search, knowledge (picking the knowledge the reranker "
-        "reads), rerank (milliseconds; batch stages are shared)"
+        description="total, queue_wait, encode, search, filter (dropping echoes, exclusions and "
+        "restatements), knowledge (picking the knowledge the reranker reads), rerank (milliseconds; batch "
+        "stages are shared)"
     )
     degraded: Degraded | None = None
     fallback: str | None = Field(

@@ -40,6 +40,7 @@ def make_job(body: Any, engine: Engine, deadline: float | None = None) -> Job:
         exclude_texts=tuple(x for x in body.exclude if isinstance(x, str)),
         exclude_ids=frozenset(x for x in body.exclude if isinstance(x, int)),
         knowledge=tuple(engine.bundle.knowledge if body.knowledge is None else body.knowledge),
+        allow_restatements=body.allow_restatements,
     )
     fusion = body.fusion or engine.default_fusion
     return Job(query, body.top_k, n, fusion, deadline, body.min_retrieval_score)

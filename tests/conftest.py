@@ -93,6 +93,30 @@ def tiny_bundle(tmp_path_factory, tiny_core, toy_pairs) -> Path:
     return out
 
 
+RESTATED = "what is your favorite food ? !"
+"""A pool entry that restates a toy question (not an exact echo: the restatement guard's job)."""
+
+
+@pytest.fixture(scope="session")
+def guarded_bundle(tmp_path_factory, tiny_core, toy_pairs) -> Path:
+    """The tiny CORE models over the toy pool and :data:`RESTATED`, with the restatement guard calibrated
+    on the toy pairs (PyTorch only)."""
+    from index_builder.build import build_bundle
+
+    out = tmp_path_factory.mktemp("bundles") / "guarded"
+    build_bundle(
+        out,
+        [*toy_pool(), RESTATED],
+        bi=str(tiny_core / "bi"),
+        cross=str(tiny_core / "cross"),
+        onnx="none",
+        guard_pairs=toy_pairs,
+        guard_quantile=0.99,
+        progress=False,
+    )
+    return out
+
+
 # ---------------------------------------------------------------------------- real servers
 
 

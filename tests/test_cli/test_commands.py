@@ -82,6 +82,10 @@ def test_train_eval_report_end_to_end(tmp_path, tiny_model_dir, data_file):
         "cpu",
         "--judge",
         str(run / "bi"),
+        "--valid-data",
+        str(data_file),
+        "--restatement-quantile",
+        "0.9",
         "--out",
         str(out),
     )
@@ -93,7 +97,11 @@ def test_train_eval_report_end_to_end(tmp_path, tiny_model_dir, data_file):
         "Bi-Enc (CORE) + Cross-Enc (CORE) (sum)",
     }
     systems = {(r["system"], r.get("n_r")) for r in result["B"]}
-    assert ("BM25", None) in systems and ("Bi-Enc (CORE) → Cross-Enc (CORE) [sum]", 4) in systems
+    assert ("BM25", None) in systems and ("Bi-Enc (CORE)", None) in systems
+    # the dense recall again through the restatement guard a bundle serves; the reranker reads that one
+    assert ("Bi-Enc (CORE) + guard", None) in systems
+    assert ("Bi-Enc (CORE) + guard → Cross-Enc (CORE) [sum]", 4) in systems
+    assert result["restatement"]["guard"]["quantile"] == 0.9
     assert all(r["metrics"]["n"] == 10 for r in result["A"] + result["B"])
     # protocol A negatives come from the whole split, not only the evaluated (limited) pairs
     assert result["meta"]["protocol_a_negative_pool"] == 48 and result["meta"]["test_pairs"] == 10
@@ -119,6 +127,7 @@ def test_train_eval_report_end_to_end(tmp_path, tiny_model_dir, data_file):
     text = md.read_text()
     assert "### Protocol A" in text and "### Protocol B" in text and "| run |" in text
     assert "restates %" in text and "the human (gold) replies do so in" in text
+    assert "+ guard: protocol B recall without the candidates" in text
     assert (tmp_path / "nr.png").stat().st_size > 1000
     assert (tmp_path / "curves.png").stat().st_size > 1000
 
@@ -160,6 +169,7 @@ def test_index_build_add_verify(tmp_path, tiny_core):
     )
     assert built.returncode == 0, built.stderr
     assert "2 responses" in built.stdout and "1 of the pool's 3 texts were blank or repeats" in built.stdout
+    assert "no --queries pairs to calibrate on: the bundle has no restatement guard" in built.stdout
     more = tmp_path / "more.jsonl"
     more.write_text('{"text": "see you soon"}\n')
     added = coreply("index", "add", str(out), str(more))
@@ -181,3 +191,7 @@ def test_index_build_add_verify(tmp_path, tiny_core):
         "Bogus7",
     )
     assert bad.returncode == 2 and "--factory 'Bogus7'" in bad.stderr and "Traceback" not in bad.stderr
+    bad = coreply("index", "build", "-o", str(tmp_path / "b3"), "--restatement-quantile", "1.5")
+    assert (
+        bad.returncode == 2 and "--restatement-quantile: must be 'off' or in [0.5, 1), got 1.5" in bad.stderr
+    )

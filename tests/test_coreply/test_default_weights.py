@@ -37,7 +37,7 @@ def test_shipped_weights_load_as_a_changed_but_close_relative_of_zero_shot():
     assert (agreement > 0.8).all()
 
 
-def test_default_bundle_is_rebuilt_when_the_shipped_weights_change(tmp_path, monkeypatch):
+def test_default_bundle_is_rebuilt_when_the_shipped_weights_or_the_recipe_change(tmp_path, monkeypatch):
     import json
 
     from coreply.bundle import FORMAT, MANIFEST
@@ -47,14 +47,20 @@ def test_default_bundle_is_rebuilt_when_the_shipped_weights_change(tmp_path, mon
     monkeypatch.setattr(default, "build_default_bundle", built.append)
     bundle = tmp_path / "default-bundle"
 
-    def built_from(content_hash: str) -> None:
-        manifest = {"format": FORMAT, "models": {"bi": {"content_hash": content_hash}}}
+    def built_from(content_hash: str, recipe: str = default.RECIPE) -> None:
+        manifest = {
+            "format": FORMAT,
+            "models": {"bi": {"content_hash": content_hash}},
+            "build": {"command": recipe},
+        }
         (bundle / MANIFEST).write_text(json.dumps(manifest))
 
     default.ensure_default_bundle(bundle)  # missing: built
     bundle.mkdir()
     built_from("an-earlier-shipped-retriever")
-    default.ensure_default_bundle(bundle)  # stale: rebuilt
+    default.ensure_default_bundle(bundle)  # stale weights: rebuilt
+    built_from(read_meta(DEFAULT_BI)["content_hash"], recipe="an earlier recipe")
+    default.ensure_default_bundle(bundle)  # stale recipe: rebuilt
     built_from(read_meta(DEFAULT_BI)["content_hash"])
     default.ensure_default_bundle(bundle)  # current: kept
-    assert built == [bundle, bundle]
+    assert built == [bundle, bundle, bundle]

@@ -303,3 +303,28 @@ def test_a_bundle_owns_copies_of_its_models(tmp_path, tiny_core):
         fh.seek(-1, 2)
         fh.write(bytes([last ^ 1]))
     load_bundle(tmp_path / "bundle")  # every hash still matches
+
+
+def test_the_restatement_guard_is_calibrated_at_build_and_drops_exactly_what_reaches_it(guarded_bundle):
+    from conftest import RESTATED, TOPICS
+
+    from coreply.responder import Responder
+    from coreply.restatement import unit
+    from index_builder.info import describe
+
+    guard = load_bundle(guarded_bundle).manifest["restatement"]
+    assert guard["quantile"] == 0.99 and guard["calibrated_on"].startswith("48 held-out pairs")
+    assert dict(describe(guarded_bundle))["guard"].startswith(
+        f"drops answers restating the last turn: cosine >= {guard['threshold']}"
+    )
+    bot = Responder.load(guarded_bundle, backend="torch")
+    assert bot.pipeline.restatement == guard["threshold"]
+    context = ["hello", TOPICS["food"][0]]
+    everything = bot.respond(context, 13, 13, "retrieval", allow_restatements=True)  # the pool but the echo
+    assert len(everything) == 13 and RESTATED in [r.text for r in everything]
+    texts = [r.text for r in everything]
+    vectors = unit(bot.pipeline.retrieve.encode_responses([context[-1], *texts]))
+    restating = {t for t, v in zip(texts, vectors[1:], strict=True) if v @ vectors[0] >= guard["threshold"]}
+    assert RESTATED in restating and len(restating) < len(texts), restating  # not vacuous, nor total
+    guarded = bot.respond(context, 13 - len(restating), 13, "retrieval")
+    assert [r.text for r in guarded] == [t for t in texts if t not in restating]

@@ -56,7 +56,8 @@ def test_respond_ranks_by_fused_score(client):
     for r in body["responses"]:
         assert r["score"] == pytest.approx(r["retrieval_score"] + r["rerank_score"])
     assert body["responses"][0]["text"] == answer  # the toy models learned this topic
-    assert set(body["timings_ms"]) == {"total", "queue_wait", "encode", "search", "knowledge", "rerank"}
+    stages = {"total", "queue_wait", "encode", "search", "filter", "knowledge", "rerank"}
+    assert set(body["timings_ms"]) == stages
     assert body["timings_ms"]["total"] >= body["timings_ms"]["encode"] > 0
     assert body["n_candidates"] == 6 and body["fusion"] == "sum"
 
@@ -97,6 +98,31 @@ def test_service_and_evaluation_rank_identically(tiny_bundle):
             answers = [post(c, context=x, top_k=5, n_candidates=5, fusion=fusion).json() for x in contexts]
             evaluated = [ids.tolist() for ids in ranked_ids(got, fusion, 5, weight)]
             assert [[r["id"] for r in a["responses"]] for a in answers] == evaluated, fusion
+
+
+def test_the_service_guards_against_restatements_like_the_library_unless_a_request_allows_them(
+    guarded_bundle,
+):
+    from conftest import RESTATED
+
+    from coreply.responder import Responder
+
+    bot = Responder.load(guarded_bundle, backend="torch")
+    context = ["hello", TOPICS["food"][0]]
+    with TestClient(create_app(Settings(bundle=guarded_bundle, threads=1, backend="torch", **LIMITS))) as c:
+        ready = c.get("/readyz").json()
+        assert ready["restatement_guard"] == load_bundle(guarded_bundle).manifest["restatement"]
+        for allow in (False, True):
+            got = post(
+                c, context=context, top_k=5, n_candidates=8, fusion="retrieval", allow_restatements=allow
+            )
+            want = bot.respond(context, 5, 8, "retrieval", allow_restatements=allow)
+            assert [r["text"] for r in got.json()["responses"]] == [r.text for r in want]
+            assert (RESTATED in [r.text for r in want]) == allow  # it ranks in the top 5 when allowed
+        bad = post(c, context=context, allow_restatements="yes")
+        assert bad.status_code == 422 and "allow_restatements" in bad.text
+        metrics = c.get("/metrics").text
+        assert 'coreply_stage_duration_seconds_count{stage="filter"} 3.0' in metrics  # + the warm-up
 
 
 def test_overlapping_stages_answer_concurrent_requests_like_one_thread(tiny_bundle):

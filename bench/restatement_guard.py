@@ -1,0 +1,118 @@
+"""Reply or restatement, as served: a bundle's answers to chitchat contexts with its restatement guard
+off and on (coreply/restatement.py), through the code the service runs (``Responder``'s pipeline).
+
+Per setting: hits@1 and hits@10 of the gold reply over the bundle's whole pool (protocol B, retrieval
+order), the latency of recall per context, and two restatement rates of the top answer, each beside the
+rate of the human replies themselves:
+
+- *judge*: cosine with the last turn >= 0.8 under zero-shot all-MiniLM-L6-v2 (``coreply eval``'s
+  metric, evaluation/restatement.py). The default bundle's retriever starts from that model, so its
+  guard and this judge agree by construction to a degree;
+- *words*: unigram F1 with the last turn >= 0.6, a judge that shares nothing with any model (human
+  replies reach it in 0.24 % of the validation split).
+
+It also prints the top answer to the prompts of issue #12 with the guard off and on.
+
+    python bench/restatement_guard.py --bundle artifacts/default-bundle --split test --limit 2000 \\
+        --out docs/restate-guard-default.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import time
+
+import numpy as np
+
+from coreply.checkpoint import load_bi
+from coreply.config import ZERO_SHOT
+from coreply.corpus import load_chitchat
+from coreply.knowledge import unigram_f1
+from coreply.ranking import Query
+from coreply.responder import Responder
+from coreply.text import normalize
+from evaluation.restatement import RestatementJudge
+
+WORDS_THRESHOLD = 0.6
+PROMPTS = [
+    ["what do you do for a living?"],
+    ["i just got a new puppy!"],
+    ["what's your favorite movie?"],
+    ["hi! how was your weekend?", "great, i went hiking. you?"],
+]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bundle", default="artifacts/default-bundle")
+    p.add_argument("--split", default="test", choices=["valid", "test"])
+    p.add_argument("--limit", type=int, default=2000, help="first N pairs of the split")
+    p.add_argument("--out", default=None, help="JSON file to write")
+    args = p.parse_args()
+
+    bot = Responder.load(args.bundle)
+    ranking = bot.pipeline
+    if ranking.restatement is None:
+        raise SystemExit(f"{args.bundle}: this bundle has no restatement guard (rebuild it)")
+    pairs = load_chitchat()[args.split][: args.limit]
+    contexts = [p.context for p in pairs]
+    judge = RestatementJudge(load_bi(ZERO_SHOT))
+
+    def words(answers: list[str | None]) -> float:
+        flags = [
+            a is not None and unigram_f1(c[-1], a) >= WORDS_THRESHOLD
+            for c, a in zip(contexts, answers, strict=True)
+        ]
+        return round(100 * float(np.mean(flags)), 2)
+
+    result: dict = {
+        "gold": {
+            "judge": round(judge.rate(contexts, [p.response for p in pairs]), 2),
+            "words": words([p.response for p in pairs]),
+        },
+        "settings": {},
+        "prompts": {},
+    }
+    for allow in (True, False):
+        start, ids = time.perf_counter(), []
+        for s in range(0, len(pairs), 64):
+            queries = [Query(tuple(c), allow_restatements=allow) for c in contexts[s : s + 64]]
+            ids += [c.ids for c in ranking.recall(queries, [10] * len(queries))]
+        ms = 1000 * (time.perf_counter() - start) / len(pairs)
+        top = [ranking.texts[i[0]] if len(i) else None for i in ids]
+        gold = [normalize(p.response) for p in pairs]
+        ranked = [[ranking.keys[j] for j in i] for i in ids]
+        name = "guard off" if allow else "guard on"
+        result["settings"][name] = {
+            "hits@1": round(
+                100 * float(np.mean([r[:1] == [g] for r, g in zip(ranked, gold, strict=True)])), 2
+            ),
+            "hits@10": round(100 * float(np.mean([g in r for r, g in zip(ranked, gold, strict=True)])), 2),
+            "restates_judge": round(judge.rate(contexts, top), 2),
+            "restates_words": words(top),
+            "ms_per_context_batched": round(ms, 2),
+        }
+        print(name, result["settings"][name], flush=True)
+        result["prompts"][name] = [bot.respond(c, allow_restatements=allow)[0].text for c in PROMPTS]
+    print("gold replies", result["gold"])
+    for prompt, off, on in zip(PROMPTS, *result["prompts"].values(), strict=True):
+        print(f"{' / '.join(prompt)!r}: off {off!r} -> on {on!r}")
+    result["meta"] = {
+        "bundle": args.bundle,
+        "guard": bot.bundle.manifest["restatement"],
+        "split": args.split,
+        "pairs": len(pairs),
+        "pool": len(ranking.texts),
+        "date": dt.date.today().isoformat(),
+        "machine": f"{platform.machine()} {platform.system()}",
+    }
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(result, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
