@@ -1,6 +1,7 @@
-"""Retrieval quality of a bundle as served (its own encoder graph, index and echo filter), on protocol B:
-the first N chitchat test pairs against the bundle's pool. Compares the bundle's backend (int8 ONNX for
-the default bundle) with the PyTorch fp32 reference on the same pool and index type.
+"""Retrieval quality of a bundle as served (its own encoder graph, index, echo filter and restatement
+guard), on protocol B: the first N chitchat test pairs against the bundle's pool. Compares the bundle's
+backend (int8 ONNX for the default bundle) with the PyTorch fp32 reference on the same pool and index
+type.
 
     python bench/quality.py --bundle artifacts/default-bundle --limit 2000
 """
@@ -13,7 +14,7 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from coreply.bundle import IndexRetriever, load_bundle, make_backend
+from coreply.bundle import load_bundle, make_backend, pipeline
 from coreply.corpus import load_chitchat
 from evaluation.metrics import summarize
 from evaluation.protocols import ranks_for, retrieve_and_rerank
@@ -22,10 +23,9 @@ from index_builder.faiss_index import make_index
 
 
 def ranks(backend, index, bundle, pairs, depth: int = 100) -> list[float]:
-    """Protocol-B ranks of the gold by retrieval alone, through the served pipeline."""
-    got = retrieve_and_rerank(
-        pairs, bundle.texts, bundle.keys, IndexRetriever(backend, index), depth, None, 0
-    )
+    """Protocol-B ranks of the gold by retrieval alone, through the served pipeline (echo filter and the
+    bundle's restatement guard, if it has one)."""
+    got = retrieve_and_rerank(pairs, pipeline(bundle, backend, index), depth, 0)
     return ranks_for(pairs, bundle.keys, got, "retrieval", depth)
 
 

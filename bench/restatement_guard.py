@@ -2,8 +2,8 @@
 off and on (coreply/restatement.py), through the code the service runs (``Responder``'s pipeline).
 
 Per setting: hits@1 and hits@10 of the gold reply over the bundle's whole pool (protocol B, retrieval
-order), the latency of recall per context, and two restatement rates of the top answer, each beside the
-rate of the human replies themselves:
+order), the latency per context (recall batched by 64, and whole requests one at a time), and two
+restatement rates of the top answer, each beside the rate of the human replies themselves:
 
 - *judge*: cosine with the last turn >= 0.8 under zero-shot all-MiniLM-L6-v2 (``coreply eval``'s
   metric, evaluation/restatement.py). The default bundle's retriever starts from that model, so its
@@ -11,7 +11,8 @@ rate of the human replies themselves:
 - *words*: unigram F1 with the last turn >= 0.6, a judge that shares nothing with any model (human
   replies reach it in 0.24 % of the validation split).
 
-It also prints the top answer to the prompts of issue #12 with the guard off and on.
+It also gives a one-sided paired bootstrap p-value for "the guard costs hits@1", and prints the top
+answer to the prompts of issue #12 with the guard off and on.
 
     python bench/restatement_guard.py --bundle artifacts/default-bundle --split test --limit 2000 \\
         --out docs/restate-guard-default.json
@@ -34,6 +35,7 @@ from coreply.knowledge import unigram_f1
 from coreply.ranking import Query
 from coreply.responder import Responder
 from coreply.text import normalize
+from evaluation.metrics import paired_bootstrap
 from evaluation.restatement import RestatementJudge
 
 WORDS_THRESHOLD = 0.6
@@ -50,12 +52,13 @@ def main() -> None:
     p.add_argument("--bundle", default="artifacts/default-bundle")
     p.add_argument("--split", default="test", choices=["valid", "test"])
     p.add_argument("--limit", type=int, default=2000, help="first N pairs of the split")
+    p.add_argument("--single", type=int, default=200, help="contexts timed one at a time")
     p.add_argument("--out", default=None, help="JSON file to write")
     args = p.parse_args()
 
     bot = Responder.load(args.bundle)
     ranking = bot.pipeline
-    if ranking.restatement is None:
+    if ranking.guard is None:
         raise SystemExit(f"{args.bundle}: this bundle has no restatement guard (rebuild it)")
     pairs = load_chitchat()[args.split][: args.limit]
     contexts = [p.context for p in pairs]
@@ -76,6 +79,7 @@ def main() -> None:
         "settings": {},
         "prompts": {},
     }
+    top1: dict[str, np.ndarray] = {}  # per case: the gold is the top answer
     for allow in (True, False):
         start, ids = time.perf_counter(), []
         for s in range(0, len(pairs), 64):
@@ -86,18 +90,26 @@ def main() -> None:
         gold = [normalize(p.response) for p in pairs]
         ranked = [[ranking.keys[j] for j in i] for i in ids]
         name = "guard off" if allow else "guard on"
+        top1[name] = np.array([r[:1] == [g] for r, g in zip(ranked, gold, strict=True)], dtype=float)
         result["settings"][name] = {
-            "hits@1": round(
-                100 * float(np.mean([r[:1] == [g] for r, g in zip(ranked, gold, strict=True)])), 2
-            ),
+            "hits@1": round(100 * float(top1[name].mean()), 2),
             "hits@10": round(100 * float(np.mean([g in r for r, g in zip(ranked, gold, strict=True)])), 2),
             "restates_judge": round(judge.rate(contexts, top), 2),
             "restates_words": words(top),
             "ms_per_context_batched": round(ms, 2),
         }
+        answers = [bot.respond(c, allow_restatements=allow) for c in PROMPTS]
+        result["prompts"][name] = [a[0].text if a else None for a in answers]
+        one = []  # one context at a time, as a lone client's request is recalled
+        for c in contexts[: args.single]:
+            start = time.perf_counter()
+            bot.respond(c, allow_restatements=allow)
+            one.append(1000 * (time.perf_counter() - start))
+        result["settings"][name]["ms_one_context_p50"] = round(float(np.median(one)), 2)
         print(name, result["settings"][name], flush=True)
-        result["prompts"][name] = [bot.respond(c, allow_restatements=allow)[0].text for c in PROMPTS]
-    print("gold replies", result["gold"])
+    # one-sided paired bootstrap: is hits@1 without the guard higher than with it?
+    result["p_guard_costs_hits@1"] = round(paired_bootstrap(top1["guard off"], top1["guard on"]), 4)
+    print("gold replies", result["gold"], "p (guard costs hits@1)", result["p_guard_costs_hits@1"])
     for prompt, off, on in zip(PROMPTS, *result["prompts"].values(), strict=True):
         print(f"{' / '.join(prompt)!r}: off {off!r} -> on {on!r}")
     result["meta"] = {

@@ -645,8 +645,8 @@ def _index_parser(sub) -> None:
         "--restatement-quantile",
         type=guard_quantile,
         default=DEFAULT_QUANTILE,
-        help="drop answers whose similarity to the last turn reaches this quantile of the human replies' "
-        f"in --queries (default {DEFAULT_QUANTILE}; 'off': keep them)",
+        help="drop answers as close to a context turn as this quantile of the human replies in --queries "
+        f"are (default {DEFAULT_QUANTILE}; 'off': keep them)",
     )
     b.add_argument("--factory", default="Flat", help="FAISS factory string, e.g. Flat, IVF1024,Flat, HNSW32")
     b.add_argument("--search-params", default="", help="e.g. nprobe=16 or efSearch=128")

@@ -36,6 +36,7 @@ import numpy as np
 from coreply.artifacts import read_sealed, seal
 from coreply.checkpoint import CheckpointError, read_meta
 from coreply.ranking import ZSCORE_WEIGHT, Hits, Pipeline
+from coreply.restatement import Guard
 from coreply.text import normalize
 
 FORMAT = "coreply-bundle/1"
@@ -356,5 +357,5 @@ def pipeline(bundle: Bundle, backend: Any, index: Any = None) -> Pipeline:
         poly=bool(backend.poly_codes),
         select_knowledge=backend.select_knowledge,
         reads_knowledge=backend.reads_knowledge,
-        restatement=float(guard["threshold"]) if guard else None,
+        guard=Guard.of(guard) if guard else None,
     )

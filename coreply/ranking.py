@@ -44,7 +44,7 @@ class Hits:
 class Retriever(Protocol):
     """Finds hits for a batch of contexts. A Poly-encoder retriever's hits also carry codes. A dense
     retriever also has ``vectors(ids [n]) -> [n, D]`` (the pool's response vectors: the poly stage and the
-    restatement guard read them) and ``encode_responses(texts [n]) -> [n, D]`` (the guard's last turns)."""
+    restatement guard read them) and ``encode_responses(texts [n]) -> [n, D]`` (the guard's context turns)."""
 
     def __call__(self, contexts: Sequence[Sequence[str]], k: int) -> Hits: ...
 
@@ -62,7 +62,7 @@ first: a :class:`~coreply.knowledge.KnowledgeSelector`."""
 class Query:
     """One query: the dialogue so far, pool entries that must not be answered (by text or id),
     background knowledge the reply may draw on (a persona, an operator's facts), and whether answers may
-    restate the last turn (by default a guarded pipeline drops them)."""
+    restate the context (by default a guarded pipeline drops them)."""
 
     context: Sequence[str]
     exclude_texts: Sequence[str] = ()
@@ -155,8 +155,7 @@ class Pipeline:
     stage is the cross-encoder ``score_pairs`` when given, else with ``poly`` the Poly-encoder
     retriever's own codes, else none. A cross-encoder that reads knowledge is given each query's
     knowledge as ``select_knowledge`` narrows it (:meth:`ground`), or as the query carries it. With a
-    ``restatement`` threshold, recall drops candidates that restate the last turn
-    (:mod:`coreply.restatement`)."""
+    restatement ``guard``, recall drops candidates that restate the context (:mod:`coreply.restatement`)."""
 
     def __init__(
         self,
@@ -168,44 +167,60 @@ class Pipeline:
         poly: bool = False,
         select_knowledge: SelectKnowledge | None = None,
         reads_knowledge: bool = False,
-        restatement: float | None = None,
+        guard: restatement.Guard | None = None,
     ) -> None:
         self.retrieve, self.texts, self.keys = retrieve, texts, keys
         self.score_pairs, self.weight = score_pairs, weight
         self.select_knowledge, self.reads_knowledge = select_knowledge, reads_knowledge
-        self.restatement = restatement
+        self.guard = guard
         if poly and score_pairs is None and not hasattr(retrieve, "vectors"):
             raise ValueError("the poly stage needs a Poly-encoder retriever (with cached response vectors)")
-        if restatement is not None and not (
-            hasattr(retrieve, "vectors") and hasattr(retrieve, "encode_responses")
-        ):
+        if guard is not None and not (hasattr(retrieve, "vectors") and hasattr(retrieve, "encode_responses")):
             raise ValueError("the restatement guard needs a dense retriever (response vectors)")
+        self._turns = restatement.TurnVectors(retrieve.encode_responses) if guard else None  # type: ignore[attr-defined]
         self.reranker = "cross" if score_pairs is not None else "poly" if poly else None
 
     def recall(self, queries: Sequence[Query], n: Sequence[int]) -> list[Candidates]:
-        """Up to ``n[i]`` answerable candidates for each query, from one retrieval call for all."""
-        margin = restatement.MARGIN if self.restatement is not None else 0
-        k = min(max(q.depth(m) for q, m in zip(queries, n, strict=True)) + margin, len(self.texts))
-        hits = self.retrieve([q.context for q in queries], k)
-        keep = [q.keep(hits.ids[i], self.keys) for i, q in enumerate(queries)]
-        if self.restatement is not None:
-            guarded = [i for i, q in enumerate(queries) if not q.allow_restatements]
-            masks = restatement.restating(
-                self.retrieve.encode_responses,  # type: ignore[attr-defined]
-                self.retrieve.vectors,  # type: ignore[attr-defined]
-                [queries[i].context[-1] for i in guarded],
-                [hits.ids[i][keep[i]] for i in guarded],
-                self.restatement,
-            )
-            for i, restates in zip(guarded, masks, strict=True):
-                keep[i] = [j for j, bad in zip(keep[i], restates, strict=True) if not bad]
-        out = []
-        for i, want in enumerate(n):
-            kept = keep[i][:want]
-            codes = None if hits.codes is None else hits.codes[i]
-            scores = np.asarray(hits.scores[i], dtype="float64")[kept]
-            out.append(Candidates(np.asarray(hits.ids[i])[kept], scores, codes=codes))
-        return out
+        """Up to ``n[i]`` answerable candidates for each query, from one retrieval call for all (and, for
+        guarded queries the guard left short, deeper calls for those: :data:`restatement.DEEPEN`)."""
+        guard = self.guard is not None
+        k = max(q.depth(m) for q, m in zip(queries, n, strict=True)) + (restatement.MARGIN if guard else 0)
+        k = min(k, len(self.texts))
+        out: list[Candidates | None] = [None] * len(queries)
+        todo = list(range(len(queries)))
+        while todo:
+            hits = self.retrieve([queries[i].context for i in todo], k)
+            keep = self._answerable([queries[i] for i in todo], hits.ids)
+            deeper = min(k * restatement.DEEPEN, restatement.MAX_DEPTH, len(self.texts))
+            short = []
+            for row, i in enumerate(todo):
+                if len(keep[row]) < n[i] and guard and not queries[i].allow_restatements and deeper > k:
+                    short.append(i)
+                    continue
+                kept = keep[row][: n[i]]
+                codes = None if hits.codes is None else hits.codes[row]
+                scores = np.asarray(hits.scores[row], dtype="float64")[kept]
+                out[i] = Candidates(np.asarray(hits.ids[row])[kept], scores, codes=codes)
+            todo, k = short, deeper
+        return out  # type: ignore[return-value]
+
+    def _answerable(self, queries: Sequence[Query], ids: np.ndarray) -> list[list[int]]:
+        """Per query, the positions of its hit ``ids`` [B, k] that :meth:`Query.keep` allows and, unless
+        the query allows restatements, that do not restate its context (one guard call for all)."""
+        keep = [q.keep(row, self.keys) for q, row in zip(queries, ids, strict=True)]
+        guarded = [i for i, q in enumerate(queries) if not q.allow_restatements]
+        if self.guard is None or self._turns is None or not guarded:
+            return keep
+        masks = restatement.restating(
+            self._turns,
+            self.retrieve.vectors,  # type: ignore[attr-defined]
+            [queries[i].context for i in guarded],
+            [ids[i][keep[i]] for i in guarded],
+            self.guard,
+        )
+        for i, restates in zip(guarded, masks, strict=True):
+            keep[i] = [j for j, bad in zip(keep[i], restates, strict=True) if not bad]
+        return keep
 
     def rerank(self, queries: Sequence[Query], candidates: Sequence[Candidates], n_r: int) -> None:
         """Score the first ``n_r`` candidates of every query with the rerank stage (one call for all

@@ -60,7 +60,7 @@ class Responder:
     ) -> list[Reply]:
         """The best ``top_k`` of ``n_candidates`` recalled for ``context`` (oldest utterance first), never
         a copy of a context turn nor an excluded response, nor (with the bundle's restatement guard,
-        unless ``allow_restatements``) a restatement of the last turn; reranked and fused unless
+        unless ``allow_restatements``) a restatement of a context turn; reranked and fused unless
         ``fusion`` is ``retrieval`` (default: z-score fusion with a rerank stage, else retrieval).
         ``knowledge`` (a persona, facts) grounds a reranker that reads it; default: the bundle's own."""
         fusion = fusion or self.default_fusion

@@ -1,13 +1,14 @@
-"""The restatement guard: an answer is a reply, not a rewording of what the user just said.
+"""The restatement guard: an answer is a reply, not a rewording of what was just said.
 
-A retriever that starts as a sentence-similarity model ranks paraphrases of the last turn high ("what's
+A retriever that starts as a sentence-similarity model ranks paraphrases of the context high ("what's
 your favorite movie?" -> "What is your favorite movie?"), and training on replies makes it do so more
 (docs/results.md §9.2). The echo filter drops only exact copies of context turns. The guard also drops a
-candidate whose cosine with the context's last turn reaches a threshold, both texts embedded as
-*responses* by the bundle's own retriever (so the guard costs one short encode per request and reads the
-candidates' vectors back from the index). The threshold is calibrated on held-out (context, human reply)
-pairs: the ``quantile`` of the same cosine between each last turn and the reply a person actually gave,
-so with the default 0.995 the guard would drop one human reply in 200.
+candidate too close to the context's last turn, or to one of the turns before it, all texts embedded as
+*responses* by the bundle's own retriever (the guard encodes turns it has not seen, a few short texts
+per request, and reads the candidates' vectors back from the index). Each of the two thresholds is
+calibrated on held-out (context, human reply) pairs: the ``quantile`` of the same cosine between the
+reply a person actually gave and the last turn (resp. the closest earlier turn). With the default 0.995
+each would drop one human reply in 200; the manifest records the share that either drops.
 
 Calibration runs where a bundle is built and where ``coreply eval`` evaluates, from one function, so the
 guard that serves is the guard that was measured.
@@ -16,19 +17,40 @@ guard that serves is the guard that was measured.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 DEFAULT_QUANTILE = 0.995
-"""Share of held-out human replies the guard lets through (their cosine with the last turn is below it)."""
+"""Share of held-out human replies each threshold lets through."""
 MAX_PAIRS = 5000
-"""Held-out pairs the threshold is calibrated on, at most."""
+"""Held-out pairs the thresholds are calibrated on, at most."""
+TURNS = 5
+"""Context turns (the last ones) a candidate must not restate; the built-in corpus's contexts hold 5."""
 MARGIN = 5
-"""Extra hits a guarded recall fetches, so that ``n`` usually survive the guard."""
+"""Extra hits a guarded recall fetches at first, so that ``n`` usually survive the guard."""
+DEEPEN = 8
+"""A guarded query left with fewer than ``n`` candidates is searched again this many times deeper..."""
+MAX_DEPTH = 1000
+"""...up to this many hits (a paraphrase-rich pool can hold dozens of restatements of one question)."""
 
 EncodeResponses = Callable[[Sequence[str]], np.ndarray]
 """texts [N] -> response vectors [N, D] (the retriever's response tower)."""
+
+
+@dataclass(frozen=True)
+class Guard:
+    """Cosine thresholds: a candidate restates its context when it is at least ``last`` close to the
+    last turn or at least ``earlier`` close to one of the turns before it."""
+
+    last: float
+    earlier: float
+
+    @classmethod
+    def of(cls, entry: dict[str, Any]) -> Guard:
+        """From a manifest entry written by :func:`calibrate`."""
+        return cls(float(entry["last_turn"]), float(entry["earlier_turns"]))
 
 
 def unit(x: np.ndarray) -> np.ndarray:
@@ -37,40 +59,80 @@ def unit(x: np.ndarray) -> np.ndarray:
     return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
 
 
+class TurnVectors:
+    """Unit response vectors of context turns, each turn encoded once: in a conversation, every turn
+    but the newest was in an earlier request. Not thread-safe (recall runs on one thread)."""
+
+    def __init__(self, encode_responses: EncodeResponses, size: int = 50_000) -> None:
+        self.encode, self.size = encode_responses, size
+        self._cache: dict[str, np.ndarray] = {}
+
+    def __call__(self, texts: Sequence[str]) -> np.ndarray:
+        """[n] texts -> [n, D] unit vectors."""
+        new = [t for t in dict.fromkeys(texts) if t not in self._cache]
+        if new:
+            if len(self._cache) + len(new) > self.size:
+                self._cache.clear()
+            self._cache.update(zip(new, unit(self.encode(new)), strict=True))
+        return np.stack([self._cache[t] for t in texts])
+
+
+def closeness(
+    turn_vectors: Callable[[Sequence[str]], np.ndarray],
+    contexts: Sequence[Sequence[str]],
+    candidates: Sequence[np.ndarray],
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per context, each candidate's cosine with the last turn and its highest with the (up to
+    :data:`TURNS` - 1) turns before it (-1 when there are none): candidate vectors [k_i, D] -> ([k_i],
+    [k_i]). ``turn_vectors`` gives unit vectors of all contexts' turns in one call."""
+    turns = [list(c)[-TURNS:] for c in contexts]
+    embedded = turn_vectors([t for ts in turns for t in ts])  # [sum turns, D]
+    out = []
+    for v, e in zip(candidates, np.split(embedded, np.cumsum([len(ts) for ts in turns])[:-1]), strict=True):
+        if not len(v):
+            out.append((np.zeros(0), np.zeros(0)))
+            continue
+        cosine = unit(v) @ e.T  # [k_i, turns]
+        earlier = cosine[:, :-1].max(axis=1) if cosine.shape[1] > 1 else np.full(len(v), -1.0)
+        out.append((cosine[:, -1], earlier))
+    return out
+
+
 def calibrate(encode_responses: EncodeResponses, pairs: Sequence[Any], quantile: float) -> dict[str, Any]:
-    """The guard's manifest entry: the ``quantile`` of cos(last turn, human reply) over (at most
-    :data:`MAX_PAIRS` of) ``pairs`` (objects with ``context`` and ``response``)."""
+    """The guard's manifest entry: the ``quantile`` of the human reply's :func:`closeness` to the last
+    turn, and to the earlier turns, over (at most :data:`MAX_PAIRS` of) ``pairs`` (objects with
+    ``context`` and ``response``), and the share of those replies that either threshold drops."""
     if not 0.5 <= quantile < 1.0:
         raise ValueError(f"the restatement quantile must be in [0.5, 1), got {quantile}")
     pairs = list(pairs)[:MAX_PAIRS]
     if not pairs:
         raise ValueError("calibrating the restatement guard needs held-out pairs")
-    last = unit(encode_responses([p.context[-1] for p in pairs]))  # [N, D]
-    gold = unit(encode_responses([p.response for p in pairs]))  # [N, D]
-    cosine = np.einsum("nd,nd->n", last, gold)  # [N]
+    gold = encode_responses([p.response for p in pairs])  # [N, D]
+    near = closeness(TurnVectors(encode_responses), [p.context for p in pairs], gold[:, None])
+    last, earlier = (np.concatenate(x) for x in zip(*near, strict=True))  # [N] x2
+    guard = Guard(float(np.quantile(last, quantile)), float(np.quantile(earlier, quantile)))
     return {
-        "threshold": round(float(np.quantile(cosine, quantile)), 4),
+        "last_turn": round(guard.last, 4),
+        "earlier_turns": round(guard.earlier, 4),
         "quantile": quantile,
+        "human_replies_dropped": round(float(np.mean((last >= guard.last) | (earlier >= guard.earlier))), 4),
         "calibrated_on": f"{len(pairs)} held-out pairs",
     }
 
 
 def restating(
-    encode_responses: EncodeResponses,
+    turn_vectors: Callable[[Sequence[str]], np.ndarray],
     vectors: Callable[[np.ndarray], np.ndarray],
-    last_turns: Sequence[str],
+    contexts: Sequence[Sequence[str]],
     ids: Sequence[np.ndarray],
-    threshold: float,
+    guard: Guard,
 ) -> list[np.ndarray]:
-    """Per query, a boolean mask over its candidate ``ids`` [k_i]: True where the candidate restates the
-    query's last turn (cosine >= ``threshold``). ``vectors(ids [n]) -> [n, D]`` reads pool vectors."""
-    if not last_turns:
+    """Per context, a boolean mask over its candidate ``ids`` [k_i]: True where the candidate restates
+    the context under ``guard``. ``vectors(ids [n]) -> [n, D]`` reads the pool's vectors."""
+    if not contexts:
         return []
-    last = unit(encode_responses(list(last_turns)))  # [B, D]
     flat = np.concatenate([np.asarray(i, dtype="int64") for i in ids])  # [sum k_i]
-    if not len(flat):
-        return [np.zeros(0, dtype=bool) for _ in ids]
-    pool = unit(vectors(flat))  # [sum k_i, D]
-    owner = np.repeat(np.arange(len(ids)), [len(i) for i in ids])  # [sum k_i]
-    cosine = np.einsum("nd,nd->n", pool, last[owner])  # [sum k_i]
-    return np.split(cosine >= threshold, np.cumsum([len(i) for i in ids])[:-1])
+    pool = vectors(flat) if len(flat) else np.zeros((0, 1), dtype="float32")  # [sum k_i, D]
+    candidates = np.split(pool, np.cumsum([len(i) for i in ids])[:-1])
+    near = closeness(turn_vectors, contexts, candidates)
+    return [(last >= guard.last) | (earlier >= guard.earlier) for last, earlier in near]

@@ -118,7 +118,7 @@ def run_eval(spec: EvalSpec) -> dict[str, Any]:
                 guard = restatement.calibrate(
                     retrieve.encode_responses, spec.guard_pairs, spec.guard_quantile
                 )
-                recall = Pipeline(retrieve, spec.pool, keys, restatement=guard["threshold"])
+                recall = Pipeline(retrieve, spec.pool, keys, guard=restatement.Guard.of(guard))
                 got = retrieve_and_rerank(spec.test, recall, depth, 0)
                 label = f"{label} + guard"
                 result.setdefault("restatement", {})["guard"] = guard
@@ -246,12 +246,15 @@ def render_markdown(
     ]
     if guards:
         thresholds = "; ".join(
-            f"{n} {g['threshold']} ({g['quantile']}, {g['calibrated_on']})" for n, g in guards
+            f"{n}: last turn {g['last_turn']}, earlier turns {g['earlier_turns']} (quantile {g['quantile']}, "
+            f"{g['calibrated_on']}, {100 * g['human_replies_dropped']:.2f} % of them dropped)"
+            for n, g in guards
         )
         lines += [
-            "+ guard: protocol B recall without the candidates whose cosine with the last turn, under the "
-            "row's own retriever, reaches that quantile of held-out human replies' (coreply/restatement.py): "
-            f"{thresholds}. Every rerank row of such a run reranks the guarded recall.",
+            "+ guard: protocol B recall without the candidates as close to the context's last turn, or to "
+            "an earlier turn, as that quantile of held-out human replies are, under the row's own retriever "
+            f"(coreply/restatement.py): {thresholds}. Every rerank row of such a run reranks the guarded "
+            "recall.",
             "",
         ]
     if runs:

@@ -62,10 +62,11 @@ def describe(path: str | Path) -> list[tuple[str, str]]:
         ),
         (
             "guard",
-            f"drops answers restating the last turn: cosine >= {guard['threshold']}, the "
-            f"{guard['quantile']} quantile of human replies ({guard['calibrated_on']})"
+            f"drops answers restating the context: cosine >= {guard['last_turn']} with the last turn or "
+            f">= {guard['earlier_turns']} with an earlier one, the {guard['quantile']} quantiles of human "
+            f"replies ({guard['calibrated_on']}, {100 * guard['human_replies_dropped']:.2f} % dropped)"
             if guard
-            else "none (restatements of the last turn are not dropped)",
+            else "none (restatements of the context are not dropped)",
         ),
         ("encoder", f"{m['encoder']}; built on {build['host']} in {build['total_seconds']} s"),
         (

@@ -89,8 +89,8 @@ def respond_request_model(settings: Settings) -> type[RespondBase]:
             StrictBool,
             Field(
                 False,
-                description="also answer with responses that restate the last turn; by default a bundle "
-                "with a restatement guard drops them (GET /readyz shows its threshold)",
+                description="also answer with responses that restate a turn of the context; by default a "
+                "bundle with a restatement guard drops them (GET /readyz shows its threshold)",
             ),
         ),
         exclude=(

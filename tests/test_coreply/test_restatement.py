@@ -8,11 +8,12 @@ from coreply.corpus import Pair
 from coreply.ranking import Hits, Pipeline, Query
 from coreply.text import normalize
 
-# Pool texts as 2-d unit vectors at an angle: "ask" restates the query "question" (angle 5 degrees);
-# the replies sit at 60+ degrees from it.
+# Pool texts as 2-d unit vectors at an angle: "ask" restates "question" (5 degrees apart); the replies
+# sit 60+ degrees from it, the fillers further on.
 ANGLES = {"question": 0, "ask": 5, "reply one": 60, "reply two": 70, "reply three": 80, "reply four": 90}
 ANGLES |= {f"filler {i}": 120 + 10 * i for i in range(8)}
 POOL = list(ANGLES)[1:]
+COS25 = float(np.cos(np.radians(25)))
 
 
 def vector(text: str) -> np.ndarray:
@@ -21,50 +22,94 @@ def vector(text: str) -> np.ndarray:
 
 
 class ToyRetriever:
-    """Returns the pool in a fixed order, restatement first; vectors from ANGLES."""
+    """Returns the pool in order (the restatement first); vectors from ANGLES."""
 
-    def __init__(self) -> None:
-        self.asked: list[int] = []
+    def __init__(self, pool: list[str] = POOL) -> None:
+        self.pool, self.asked = pool, []
 
     def __call__(self, contexts, k):
         self.asked.append(k)
-        ids = np.array([list(range(len(POOL)))[:k]] * len(contexts))
+        ids = np.array([list(range(len(self.pool)))[:k]] * len(contexts))
         return Hits(ids, -np.arange(ids.shape[1], dtype=float)[None].repeat(len(contexts), 0))
 
     def vectors(self, ids):
-        return np.stack([vector(POOL[i]) for i in ids])
+        return np.stack([vector(self.pool[i]) for i in ids])
 
     def encode_responses(self, texts):
         return np.stack([2.0 * vector(t) for t in texts])  # not unit length: the guard normalises
 
 
-def test_calibration_takes_the_quantile_of_human_replies_and_refuses_nonsense():
-    pairs = [Pair(("hi", "question"), r, str(i)) for i, r in enumerate(POOL[1:5])]  # replies: 60-90 deg
+def guarded(retriever: ToyRetriever) -> Pipeline:
+    return Pipeline(
+        retriever,
+        retriever.pool,
+        [normalize(t) for t in retriever.pool],
+        guard=restatement.Guard(COS25, COS25),
+    )
+
+
+def test_calibration_takes_quantiles_of_human_replies_per_position_and_refuses_nonsense():
+    # replies at 60-90 degrees from the last turn; the turn before sits at 120 degrees
+    pairs = [Pair(("filler 0", "question"), r, str(i)) for i, r in enumerate(POOL[1:5])]
     guard = restatement.calibrate(ToyRetriever().encode_responses, pairs, 0.5)
     median = (np.cos(np.radians(70)) + np.cos(np.radians(80))) / 2  # of the cosines at 60, 70, 80, 90 deg
-    assert guard["threshold"] == pytest.approx(median, abs=1e-4)
+    assert guard["last_turn"] == pytest.approx(median, abs=1e-4)
+    median = (np.cos(np.radians(50)) + np.cos(np.radians(40))) / 2  # 120 - (60, 70, 80, 90) deg
+    assert guard["earlier_turns"] == pytest.approx(median, abs=1e-4)
+    assert guard["human_replies_dropped"] == 1.0  # each threshold takes half: the closest and the farthest
     assert guard["quantile"] == 0.5 and guard["calibrated_on"] == "4 held-out pairs"
+    assert restatement.Guard.of(guard) == restatement.Guard(guard["last_turn"], guard["earlier_turns"])
     with pytest.raises(ValueError, match="quantile"):
         restatement.calibrate(ToyRetriever().encode_responses, pairs, 1.0)
     with pytest.raises(ValueError, match="held-out pairs"):
         restatement.calibrate(ToyRetriever().encode_responses, [], 0.9)
 
 
-def test_guarded_recall_drops_restatements_of_the_last_turn_only_and_fetches_past_them():
+def test_turn_vectors_encode_each_turn_once():
+    calls = []
+
+    def encode(texts):
+        calls.append(list(texts))
+        return np.stack([2.0 * vector(t) for t in texts])
+
+    turns = restatement.TurnVectors(encode, size=3)
+    np.testing.assert_allclose(
+        turns(["question", "ask", "question"]),
+        [vector(t) for t in ("question", "ask", "question")],
+        atol=1e-6,
+    )
+    turns(["ask", "reply one"])
+    assert calls == [["question", "ask"], ["reply one"]]
+    turns(["reply two"])  # would outgrow the cache: it starts again
+    assert calls[-1] == ["reply two"] and len(turns._cache) == 1
+
+
+def test_guarded_recall_drops_restatements_of_the_last_turns_unless_a_query_allows_them():
     retriever = ToyRetriever()
-    threshold = float(np.cos(np.radians(25)))
-    guarded = Pipeline(retriever, POOL, [normalize(t) for t in POOL], restatement=threshold)
+    far = ("question", "filler 7", "filler 6", "filler 5", "filler 4", "filler 3")  # 6 turns: 1 too many
     queries = [
-        Query(("hi", "question")),
-        Query(("hi", "question"), allow_restatements=True),
-        Query(("question", "reply four")),  # the restatement is of an earlier turn: kept
+        Query(("question",)),
+        Query(("question",), allow_restatements=True),
+        Query(("question", "filler 7")),  # the restated turn is not the last one: dropped all the same
+        Query(far),  # the restated turn is further back than the guard looks: kept
     ]
-    got = guarded.recall(queries, [2, 2, 2])
-    assert [c.ids.tolist() for c in got] == [[1, 2], [0, 1], [0, 1]]
+    got = guarded(retriever).recall(queries, [2, 2, 2, 2])
+    assert [c.ids.tolist() for c in got] == [[1, 2], [0, 1], [1, 2], [0, 1]]
     assert got[0].retrieval.tolist() == [-1.0, -2.0]  # scores stay with their ids
-    assert retriever.asked == [2 + 2 + restatement.MARGIN]
+    assert retriever.asked == [2 + len(far) + restatement.MARGIN]  # one call: nobody was left short
     plain = Pipeline(retriever, POOL, [normalize(t) for t in POOL])
     assert plain.recall(queries[:1], [2])[0].ids.tolist() == [0, 1]
+
+
+def test_a_query_the_guard_leaves_short_is_searched_again_deeper(monkeypatch):
+    retriever = ToyRetriever(["ask"] * 40 + ["reply one"])  # 40 restatements before the only reply
+    (got,) = guarded(retriever).recall([Query(("question",))], [1])
+    assert got.ids.tolist() == [40]
+    assert retriever.asked == [1 + 1 + restatement.MARGIN, 41]  # 7, then 56 capped at the pool
+    monkeypatch.setattr(restatement, "MAX_DEPTH", 20)
+    retriever.asked.clear()
+    (got,) = guarded(retriever).recall([Query(("question",))], [1])
+    assert got.ids.tolist() == [] and retriever.asked == [7, 20]  # nothing left within MAX_DEPTH
 
 
 def test_the_guard_needs_response_vectors():
@@ -72,4 +117,4 @@ def test_the_guard_needs_response_vectors():
         return Hits(np.zeros((len(contexts), k), dtype=int), np.zeros((len(contexts), k)))
 
     with pytest.raises(ValueError, match="dense retriever"):
-        Pipeline(bm25_like, POOL, POOL, restatement=0.9)
+        Pipeline(bm25_like, POOL, POOL, guard=restatement.Guard(0.9, 0.9))

@@ -309,22 +309,29 @@ def test_the_restatement_guard_is_calibrated_at_build_and_drops_exactly_what_rea
     from conftest import RESTATED, TOPICS
 
     from coreply.responder import Responder
-    from coreply.restatement import unit
+    from coreply.restatement import Guard, unit
     from index_builder.info import describe
 
-    guard = load_bundle(guarded_bundle).manifest["restatement"]
-    assert guard["quantile"] == 0.99 and guard["calibrated_on"].startswith("48 held-out pairs")
+    entry = load_bundle(guarded_bundle).manifest["restatement"]
+    assert entry["quantile"] == 0.99 and entry["calibrated_on"] == "48 held-out pairs"
+    # each threshold is the 0.99 quantile, so it drops the top replies: 1 % of 48, but the toy pairs come
+    # 6 times each, and a reply's copies tie
+    assert entry["human_replies_dropped"] in (6 / 48, 12 / 48)
     assert dict(describe(guarded_bundle))["guard"].startswith(
-        f"drops answers restating the last turn: cosine >= {guard['threshold']}"
+        f"drops answers restating the context: cosine >= {entry['last_turn']} with the last turn"
     )
     bot = Responder.load(guarded_bundle, backend="torch")
-    assert bot.pipeline.restatement == guard["threshold"]
+    guard = Guard.of(entry)
+    assert bot.pipeline.guard == guard
     context = ["hello", TOPICS["food"][0]]
     everything = bot.respond(context, 13, 13, "retrieval", allow_restatements=True)  # the pool but the echo
     assert len(everything) == 13 and RESTATED in [r.text for r in everything]
     texts = [r.text for r in everything]
-    vectors = unit(bot.pipeline.retrieve.encode_responses([context[-1], *texts]))
-    restating = {t for t, v in zip(texts, vectors[1:], strict=True) if v @ vectors[0] >= guard["threshold"]}
-    assert RESTATED in restating and len(restating) < len(texts), restating  # not vacuous, nor total
+    turns = unit(bot.pipeline.retrieve.encode_responses(context))  # [2, D]
+    cosine = unit(bot.pipeline.retrieve.encode_responses(texts)) @ turns.T  # [13, 2]
+    restating = {
+        t for t, (e, last) in zip(texts, cosine, strict=True) if last >= guard.last or e >= guard.earlier
+    }
+    assert RESTATED in restating and len(restating) < len(texts)  # the guard is not vacuous, nor total
     guarded = bot.respond(context, 13 - len(restating), 13, "retrieval")
     assert [r.text for r in guarded] == [t for t in texts if t not in restating]
