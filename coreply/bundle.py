@@ -290,7 +290,7 @@ class IndexRetriever:
     index. ``timings`` holds the last call's seconds per stage (the service reports them). With a
     Poly-encoder backend the hits carry its context codes. :meth:`vectors` reads candidates' response
     vectors back from the index (the poly stage's cache; the restatement guard compares them with
-    :meth:`encode_responses` of the last turns)."""
+    :meth:`encode_responses` of the context turns)."""
 
     def __init__(self, backend: Any, index: Any) -> None:
         self.backend, self.index = backend, index

@@ -111,7 +111,6 @@ def run_eval(spec: EvalSpec) -> dict[str, Any]:
             t0 = time.perf_counter()
             recall = Pipeline(retrieve, spec.pool, keys)
             got = retrieve_and_rerank(spec.test, recall, depth, 0)
-            guard = None
             if spec.guard_quantile is not None and spec.guard_pairs and retriever_name == "bi":
                 # the row without the guard, then the guarded recall every rerank stage reads (as served)
                 result["B"].append(retrieval_row(label, got))

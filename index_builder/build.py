@@ -187,8 +187,9 @@ def build_bundle(
         apply_search_params(index, search_params)
         recall = recall_vs_exact(index, vectors, query_vectors) if query_vectors is not None else {}
         if guard_quantile is not None and guard_pairs:
-            guard = restatement.calibrate(backend.encode_responses, guard_pairs, guard_quantile)
-            manifest["restatement"] = guard
+            manifest["restatement"] = restatement.calibrate(
+                backend.encode_responses, guard_pairs, guard_quantile
+            )
         ranking = pipeline(bundle, backend, index)
         if ranking.reranker is not None and calibration:
             manifest["fusion"] = calibrate_zscore(ranking, calibration)

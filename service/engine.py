@@ -79,7 +79,8 @@ class Engine:
 
     def _retrieve_batch(self, items: Sequence[tuple[Query, int]]):
         """[(query, n)] -> [Candidates], one encode and one search for the whole batch; ``filter`` is the
-        rest of recall (dropping echoes, exclusions and restatements)."""
+        rest of recall (dropping echoes, exclusions and restatements, and searching again deeper for a
+        context the restatement guard left short)."""
         start = time.perf_counter()
         got = self.pipeline.recall([q for q, _ in items], [n for _, n in items])
         timings = dict(self.pipeline.retrieve.timings)  # type: ignore[attr-defined]
