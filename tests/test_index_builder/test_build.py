@@ -119,6 +119,7 @@ def test_ann_index_reports_recall_and_serves(tmp_path, tiny_core, toy_pairs, fac
         onnx="none",
         queries=[p.context for p in toy_pairs[:20]],
         progress=False,
+        guard_pairs=toy_pairs,
     )
     recall = manifest["index"]["recall_vs_exact"]
     assert set(recall) == {"recall@1", "recall@10", "recall@100"}
@@ -127,6 +128,10 @@ def test_ann_index_reports_recall_and_serves(tmp_path, tiny_core, toy_pairs, fac
     backend = make_backend(bundle)
     _, ids = bundle.index.search(backend.encode_contexts([toy_pairs[0].context]), 5)
     assert len(set(ids[0])) == 5 and ids[0].min() >= 0
+    # the restatement guard reads response vectors back from an approximate index too
+    from coreply.responder import Responder
+
+    assert len(Responder.load(tmp_path / "b").respond(toy_pairs[0].context, 5, 5)) == 5
 
 
 def test_index_specs_that_cannot_work_are_refused_before_the_pool_is_encoded(
