@@ -48,7 +48,10 @@ def guard_quantile(text: str) -> float | None:
     """An argparse type: 'off', or the restatement guard's quantile in [0.5, 1)."""
     if text == "off":
         return None
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
     if not 0.5 <= value < 1:
         raise argparse.ArgumentTypeError(f"must be 'off' or in [0.5, 1), got {text}")
     return value

@@ -281,7 +281,7 @@ def make_backend(bundle: Bundle, backend: str = "auto", threads: int = 1, device
 
         retriever = load_checkpoint(bundle.model_dir("knowledge"), device, expect="bi")
         chosen.select_knowledge = KnowledgeSelector(retriever, int(bundle.manifest["knowledge"]["top_m"]))
-        chosen.select_knowledge.warm(bundle.knowledge)
+        chosen.select_knowledge.vectors.warm(bundle.knowledge)
     return chosen
 
 

@@ -24,6 +24,7 @@ import torch
 
 from coreply.corpus import SPLITS, Pair, chitchat_path, speaker_turns, split_of
 from coreply.text import normalize
+from coreply.vectors import TextVectors
 
 _WORD = re.compile(r"[a-z0-9']+")
 DEFAULT_TOP_M = 5  # RecKGC's m
@@ -60,26 +61,17 @@ class KnowledgeSelector:
     def __init__(self, retriever: Any, top_m: int, cache_size: int = 50_000) -> None:
         if top_m < 1:
             raise ValueError(f"top_m must be >= 1, got {top_m}")
-        self.retriever, self.top_m, self.cache_size = retriever, top_m, cache_size
-        self._vectors: dict[str, np.ndarray] = {}
-
-    def warm(self, sentences: Sequence[str]) -> None:
-        """Encode sentences not yet cached (the cache is cleared when it would outgrow ``cache_size``)."""
-        new = [s for s in dict.fromkeys(sentences) if s not in self._vectors]
-        if not new:
-            return
-        if len(self._vectors) + len(new) > self.cache_size:
-            self._vectors.clear()
-        self._vectors.update(zip(new, self.retriever.embed_responses(new).numpy(), strict=True))
+        self.retriever, self.top_m = retriever, top_m
+        self.vectors = TextVectors(lambda s: retriever.embed_responses(s).numpy(), cache_size)
 
     def scores(
         self, contexts: Sequence[Sequence[str]], knowledge: Sequence[Sequence[str]]
     ) -> list[np.ndarray]:
         """Per context, the retriever's score of each of its knowledge sentences [n_k]."""
-        self.warm([s for k in knowledge for s in k])
+        self.vectors.warm([s for k in knowledge for s in k])
         queries = self.retriever.embed_contexts(contexts).numpy()  # [B, D]
         return [
-            np.stack([self._vectors[s] for s in k]) @ q if len(k) else np.zeros(0, dtype="float32")
+            self.vectors(k) @ q if len(k) else np.zeros(0, dtype="float32")
             for q, k in zip(queries, knowledge, strict=True)
         ]
 

@@ -25,6 +25,7 @@ import torch
 from coreply import restatement
 from coreply.models import poly_scores
 from coreply.text import normalize
+from coreply.vectors import TextVectors, unit
 
 Fusion = Literal["retrieval", "rerank", "sum", "zscore"]
 FUSIONS: tuple[str, ...] = get_args(Fusion)
@@ -177,7 +178,11 @@ class Pipeline:
             raise ValueError("the poly stage needs a Poly-encoder retriever (with cached response vectors)")
         if guard is not None and not (hasattr(retrieve, "vectors") and hasattr(retrieve, "encode_responses")):
             raise ValueError("the restatement guard needs a dense retriever (response vectors)")
-        self._turns = restatement.TurnVectors(retrieve.encode_responses) if guard else None  # type: ignore[attr-defined]
+        self._turns = (  # unit vectors of context turns: a conversation's turns are encoded once
+            TextVectors(lambda texts: unit(retrieve.encode_responses(texts)))  # type: ignore[attr-defined]
+            if guard
+            else None
+        )
         self.reranker = "cross" if score_pairs is not None else "poly" if poly else None
 
     def recall(self, queries: Sequence[Query], n: Sequence[int]) -> list[Candidates]:

@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from coreply.vectors import TextVectors, unit
+
 DEFAULT_QUANTILE = 0.995
 """Share of held-out human replies each threshold lets through."""
 MAX_PAIRS = 5000
@@ -51,30 +53,6 @@ class Guard:
     def of(cls, entry: dict[str, Any]) -> Guard:
         """From a manifest entry written by :func:`calibrate`."""
         return cls(float(entry["last_turn"]), float(entry["earlier_turns"]))
-
-
-def unit(x: np.ndarray) -> np.ndarray:
-    """Rows scaled to length 1: [N, D] -> [N, D]."""
-    x = np.asarray(x, dtype="float32")
-    return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
-
-
-class TurnVectors:
-    """Unit response vectors of context turns, each turn encoded once: in a conversation, every turn
-    but the newest was in an earlier request. Not thread-safe (recall runs on one thread)."""
-
-    def __init__(self, encode_responses: EncodeResponses, size: int = 50_000) -> None:
-        self.encode, self.size = encode_responses, size
-        self._cache: dict[str, np.ndarray] = {}
-
-    def __call__(self, texts: Sequence[str]) -> np.ndarray:
-        """[n] texts -> [n, D] unit vectors."""
-        new = [t for t in dict.fromkeys(texts) if t not in self._cache]
-        if new:
-            if len(self._cache) + len(new) > self.size:
-                self._cache.clear()
-            self._cache.update(zip(new, unit(self.encode(new)), strict=True))
-        return np.stack([self._cache[t] for t in texts])
 
 
 def closeness(
@@ -108,7 +86,8 @@ def calibrate(encode_responses: EncodeResponses, pairs: Sequence[Any], quantile:
     if not pairs:
         raise ValueError("calibrating the restatement guard needs held-out pairs")
     gold = encode_responses([p.response for p in pairs])  # [N, D]
-    near = closeness(TurnVectors(encode_responses), [p.context for p in pairs], gold[:, None])
+    turns = TextVectors(lambda texts: unit(encode_responses(texts)))
+    near = closeness(turns, [p.context for p in pairs], gold[:, None])
     last, earlier = (np.concatenate(x) for x in zip(*near, strict=True))  # [N] x2
     guard = Guard(float(np.quantile(last, quantile)), float(np.quantile(earlier, quantile)))
     return {

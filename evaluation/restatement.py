@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-import torch
 
 from coreply.models import BiEncoder
+from coreply.vectors import TextVectors, unit
 
 THRESHOLD = 0.8
 """Judge cosine at and above which an answer counts as a restatement of the last turn."""
@@ -29,15 +29,8 @@ class RestatementJudge:
             raise ValueError(f"the restatement threshold must be in (0, 1], got {threshold}")
         self.judge = judge.eval()
         self.threshold = threshold
-        self._cache: dict[str, np.ndarray] = {}
-
-    def _embed(self, texts: Sequence[str]) -> np.ndarray:
-        """Unit vectors [N, D]; every text is embedded once per judge."""
-        new = [t for t in dict.fromkeys(texts) if t not in self._cache]
-        if new:
-            emb = torch.nn.functional.normalize(self.judge.embed_responses(new), dim=-1).numpy()
-            self._cache.update(zip(new, emb, strict=True))
-        return np.stack([self._cache[t] for t in texts]) if texts else np.zeros((0, 1))
+        # unit vectors [N, D]; every text is embedded once per judge
+        self._embed = TextVectors(lambda texts: unit(self.judge.embed_responses(texts).numpy()))
 
     def similarity(self, contexts: Sequence[Sequence[str]], answers: Sequence[str]) -> np.ndarray:
         """Cosine of each answer with its context's last turn: [N]."""

@@ -191,6 +191,10 @@ def test_index_build_add_verify(tmp_path, tiny_core):
         "Bogus7",
     )
     assert bad.returncode == 2 and "--factory 'Bogus7'" in bad.stderr and "Traceback" not in bad.stderr
+    bad = coreply("index", "build", "-o", str(tmp_path / "b3"), "--restatement-quantile", "abc")
+    assert (
+        bad.returncode == 2 and "--restatement-quantile: must be 'off' or in [0.5, 1), got abc" in bad.stderr
+    )
     bad = coreply("index", "build", "-o", str(tmp_path / "b3"), "--restatement-quantile", "1.5")
     assert (
         bad.returncode == 2 and "--restatement-quantile: must be 'off' or in [0.5, 1), got 1.5" in bad.stderr

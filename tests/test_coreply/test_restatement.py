@@ -7,6 +7,7 @@ from coreply import restatement
 from coreply.corpus import Pair
 from coreply.ranking import Hits, Pipeline, Query
 from coreply.text import normalize
+from coreply.vectors import TextVectors, unit
 
 # Pool texts as 2-d unit vectors at an angle: "ask" restates "question" (5 degrees apart); the replies
 # sit 60+ degrees from it, the fillers further on.
@@ -65,23 +66,21 @@ def test_calibration_takes_quantiles_of_human_replies_per_position_and_refuses_n
         restatement.calibrate(ToyRetriever().encode_responses, [], 0.9)
 
 
-def test_turn_vectors_encode_each_turn_once():
+def test_text_vectors_encode_each_text_once():
     calls = []
 
     def encode(texts):
         calls.append(list(texts))
         return np.stack([2.0 * vector(t) for t in texts])
 
-    turns = restatement.TurnVectors(encode, size=3)
-    np.testing.assert_allclose(
-        turns(["question", "ask", "question"]),
-        [vector(t) for t in ("question", "ask", "question")],
-        atol=1e-6,
-    )
-    turns(["ask", "reply one"])
+    vectors = TextVectors(lambda texts: unit(encode(texts)), size=3)
+    got = vectors(["question", "ask", "question"])
+    np.testing.assert_allclose(got, [vector(t) for t in ("question", "ask", "question")], atol=1e-6)
+    vectors(["ask", "reply one"])
     assert calls == [["question", "ask"], ["reply one"]]
-    turns(["reply two"])  # would outgrow the cache: it starts again
-    assert calls[-1] == ["reply two"] and len(turns._cache) == 1
+    vectors(["reply two"])  # would outgrow the cache: it starts again
+    assert calls[-1] == ["reply two"] and len(vectors._cache) == 1
+    assert vectors([]).shape == (0, 0) and len(calls) == 3
 
 
 def test_guarded_recall_drops_restatements_of_the_last_turns_unless_a_query_allows_them():

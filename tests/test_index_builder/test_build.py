@@ -314,7 +314,8 @@ def test_the_restatement_guard_is_calibrated_at_build_and_drops_exactly_what_rea
     from conftest import RESTATED, TOPICS
 
     from coreply.responder import Responder
-    from coreply.restatement import Guard, unit
+    from coreply.restatement import Guard
+    from coreply.vectors import unit
     from index_builder.info import describe
 
     entry = load_bundle(guarded_bundle).manifest["restatement"]
