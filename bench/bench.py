@@ -213,7 +213,7 @@ def main() -> None:
     from coreply.bundle import read_manifest, read_responses
 
     read_manifest(Path(args.bundle))
-    keys = [normalize(t) for t in read_responses(Path(args.bundle) / "responses.jsonl")]
+    keys = [normalize(t) for t in read_responses(Path(args.bundle) / "responses.jsonl")[0]]
     server = Server(args.bundle, args.threads)
     rows = []
     try:

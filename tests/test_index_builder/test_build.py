@@ -247,6 +247,23 @@ def test_onnx_matches_torch(tmp_path, tiny_core, toy_pairs):
         assert ((got_q @ backend.encode_responses(pool).T).argmax(1) == want_top).all(), precision
 
 
+def test_export_traces_eager_attention_and_restores_the_models(tmp_path, tiny_core):
+    """The graphs carry plain attention (no SDPA NaN clean-up per layer); the models keep their own."""
+    import onnx
+
+    from coreply.checkpoint import load_checkpoint
+    from coreply.inference import export_onnx
+
+    bi, cross = load_checkpoint(tiny_core / "bi"), load_checkpoint(tiny_core / "cross")
+    attention = lambda: [m.config._attn_implementation for m in (bi.context_tower, cross.backbone)]  # noqa: E731
+    before = attention()
+    export_onnx(bi, cross, tmp_path, "fp32")
+    assert attention() == before and "eager" not in before
+    for name in ("context", "response", "cross"):
+        ops = {node.op_type for node in onnx.load(str(tmp_path / f"{name}.onnx")).graph.node}
+        assert "Softmax" in ops and "IsNaN" not in ops, name
+
+
 def test_normalised_keys(tiny_bundle):
     bundle = load_bundle(tiny_bundle)
     assert bundle.keys == [normalize(t) for t in bundle.texts]
