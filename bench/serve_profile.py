@@ -1,0 +1,124 @@
+"""Where a request's time goes (issue #14), in process: a bundle's answer path, the service's own
+:class:`~coreply.ranking.Pipeline` without HTTP, queueing or micro-batching, over chitchat test
+contexts in batches of the given sizes (1: a lone client; 64: what the micro-batcher builds under load).
+Per stage (encode, search, filter, rerank) by the wall clock, then once more under ``torch.profiler``:
+host and, on CUDA, device time per operator, and how much of the wall the device was busy. With the
+ONNX backend the models run outside PyTorch; ``bench/rerank_ops.py`` profiles those per operator.
+
+    python bench/serve_profile.py --bundle artifacts/gpu-bench --backend torch --device cuda \\
+        --n-r 100 --batch 1 64 --out docs/serve-profile-gpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from bench import provenance  # bench/bench.py: this script's directory is on sys.path
+from coreply.bundle import IndexRetriever, load_bundle, make_backend, pipeline, search_on
+from coreply.corpus import load_chitchat
+from coreply.ranking import Pipeline, Query
+
+
+def answer(ranking: Pipeline, queries: list[Query], n_r: int, cuda: bool) -> dict[str, float]:
+    """One batch through recall and rerank; seconds per stage."""
+    start = time.perf_counter()
+    candidates = ranking.recall(queries, [n_r] * len(queries))
+    recalled = time.perf_counter()
+    if ranking.reranker is not None:
+        ranking.rerank(ranking.ground(queries), candidates, n_r)
+    if cuda:
+        torch.cuda.synchronize()
+    done = time.perf_counter()
+    timings = ranking.retrieve.timings if isinstance(ranking.retrieve, IndexRetriever) else {}
+    encode, search = timings.get("encode", 0.0), timings.get("search", 0.0)
+    return {
+        "encode": encode,
+        "search": search,
+        "filter": recalled - start - encode - search,  # echo and guard filtering, deeper re-searches
+        "rerank": done - recalled,
+        "total": done - start,
+    }
+
+
+def operators(prof: profile, cuda: bool, batches: int, top: int) -> list[dict]:
+    """The ``top`` operators by self device time (host time without CUDA), per batch, in ms."""
+    rows = []
+    for event in prof.key_averages():
+        device_us = getattr(event, "self_device_time_total", 0) if cuda else 0
+        rows.append(
+            {
+                "op": event.key,
+                "calls_per_batch": round(event.count / batches, 1),
+                "self_host_ms": round(event.self_cpu_time_total / 1000 / batches, 3),
+                "self_device_ms": round(device_us / 1000 / batches, 3),
+            }
+        )
+    rows.sort(key=lambda r: r["self_device_ms" if cuda else "self_host_ms"], reverse=True)
+    return rows[:top]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bundle", required=True)
+    p.add_argument("--backend", default="auto", choices=["auto", "onnx", "torch"])
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (the service's COREPLY_DEVICE)")
+    p.add_argument("--threads", type=int, default=2, help="intra-op threads (CPU)")
+    p.add_argument("--n-r", type=int, default=100, help="candidates recalled and reranked per request")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 64], help="requests answered together")
+    p.add_argument("--requests", type=int, default=128, help="test contexts per batch size")
+    p.add_argument("--top", type=int, default=15, help="operators listed per batch size")
+    p.add_argument("--out", type=Path, help="write the result as JSON here too")
+    args = p.parse_args()
+    if args.n_r < 1 or args.requests < 1 or args.top < 1 or min(args.batch) < 1:
+        raise SystemExit("--n-r, --requests, --top and every --batch must be >= 1")
+    cuda = args.device.startswith("cuda")
+    bundle = search_on(load_bundle(args.bundle), args.device)
+    ranking = pipeline(bundle, make_backend(bundle, args.backend, args.threads, args.device))
+    contexts = [p.context for p in load_chitchat()["test"][: args.requests]]
+    result: dict = provenance() | {"bundle": args.bundle, "device": args.device, "n_r": args.n_r, "rows": []}
+    for size in args.batch:
+        batches = [[Query(tuple(c)) for c in contexts[i : i + size]] for i in range(0, len(contexts), size)]
+        answer(ranking, batches[0], args.n_r, cuda)  # warm-up: caches, kernels, allocator
+        times = [answer(ranking, b, args.n_r, cuda) for b in batches]
+        stages = {k: round(1000 * float(np.mean([t[k] for t in times])), 2) for k in times[0]}
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=activities) as prof:
+            start = time.perf_counter()
+            for b in batches:
+                answer(ranking, b, args.n_r, cuda)
+            wall = time.perf_counter() - start
+        ops = operators(prof, cuda, len(batches), args.top)
+        device_busy = sum(e.self_device_time_total for e in prof.key_averages()) / 1e6 if cuda else None
+        row = {
+            "batch": size,
+            "batches": len(batches),
+            "ms_per_batch": stages,
+            "requests_per_s": round(len(contexts) / sum(t["total"] for t in times), 1),
+            "device_busy_share": round(device_busy / wall, 3) if device_busy is not None else None,
+            "operators": ops,
+        }
+        result["rows"].append(row)
+        print(f"\nbatch {size}: ms per batch {stages}, {row['requests_per_s']} requests/s", end="")
+        print(f", device busy {100 * row['device_busy_share']:.0f} % of the wall" if cuda else "")
+        print("| operator (per batch) | calls | self host ms | self device ms |\n|---|---|---|---|")
+        for op in ops:
+            print(
+                f"| {op['op']} | {op['calls_per_batch']} | {op['self_host_ms']} | {op['self_device_ms']} |"
+            )
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

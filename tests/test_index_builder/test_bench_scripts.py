@@ -1,0 +1,38 @@
+"""The serving profilers on the tiny bundle: the CPU smoke runs that keep them working for a GPU lease."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).parents[2]
+
+
+def bench(script: str, *args: str) -> subprocess.CompletedProcess:
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / script), *args], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr
+    return run
+
+
+def test_serve_profile_times_every_stage_and_lists_operators(tmp_path, tiny_bundle):
+    out = tmp_path / "profile.json"
+    bench("serve_profile.py", "--bundle", str(tiny_bundle), "--backend", "torch", "--n-r", "3",
+          "--batch", "1", "2", "--requests", "4", "--top", "5", "--out", str(out))  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["date"] and result["n_r"] == 3 and [r["batch"] for r in result["rows"]] == [1, 2]
+    for row in result["rows"]:
+        stages = row["ms_per_batch"]
+        assert row["batches"] == 4 // row["batch"] and stages["rerank"] > 0 and stages["encode"] > 0
+        assert stages["total"] >= stages["encode"] + stages["search"] + stages["rerank"]
+        assert len(row["operators"]) == 5 and all(op["self_host_ms"] >= 0 for op in row["operators"])
+        assert any(op["op"].startswith("aten::") for op in row["operators"])
+
+
+def test_rerank_ops_profiles_the_onnx_reranker(tiny_bundle):
+    run = bench(
+        "rerank_ops.py", "--bundle", str(tiny_bundle), "--n-r", "3", "--requests", "4", "--rounds", "1"
+    )
+    table = run.stdout.split("| operator | ms per request | share |")[1]
+    assert "rerank ms per request" in run.stdout and "MatMul" in table
