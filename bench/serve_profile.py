@@ -112,9 +112,7 @@ def main() -> None:
         print(f", device busy {100 * row['device_busy_share']:.0f} % of the wall" if cuda else "")
         print("| operator (per batch) | calls | self host ms | self device ms |\n|---|---|---|---|")
         for op in ops:
-            print(
-                f"| {op['op']} | {op['calls_per_batch']} | {op['self_host_ms']} | {op['self_device_ms']} |"
-            )
+            print(f"| {op['op']} | {op['calls_per_batch']} | {op['self_host_ms']} | {op['self_device_ms']} |")
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.out}")
