@@ -19,7 +19,7 @@ import numpy as np
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from coreply.bundle import IndexRetriever, load_bundle, make_backend
+from coreply.bundle import BundleError, IndexRetriever, load_bundle, make_backend
 from coreply.corpus import load_chitchat
 from coreply.inference import ONNX_FILES, OnnxBackend, _session
 from coreply.tokenization import score_by_tokens
@@ -33,7 +33,12 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2, help="ONNX Runtime intra-op threads")
     p.add_argument("--rounds", type=int, default=5, help="timed passes over the requests (median kept)")
     args = p.parse_args()
-    bundle = load_bundle(args.bundle)
+    if min(args.n_r, args.requests, args.threads, args.rounds) < 1:
+        raise SystemExit("--n-r, --requests, --threads and --rounds must be >= 1")
+    try:
+        bundle = load_bundle(args.bundle)
+    except BundleError as exc:
+        raise SystemExit(f"--bundle: {exc}") from None
     backend = make_backend(bundle, "onnx", threads=args.threads)
     if not isinstance(backend, OnnxBackend) or backend.cross is None or backend.cross_tokenizer is None:
         raise SystemExit(f"--bundle {args.bundle}: needs a reranker exported to ONNX")

@@ -24,8 +24,9 @@ from torch.profiler import ProfilerActivity, profile
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from bench import provenance  # bench/bench.py: this script's directory is on sys.path
-from coreply.bundle import IndexRetriever, load_bundle, make_backend, pipeline, search_on
+from coreply.bundle import BundleError, IndexRetriever, load_bundle, make_backend, pipeline, search_on
 from coreply.corpus import load_chitchat
+from coreply.device import resolve_device
 from coreply.ranking import Pipeline, Query
 
 
@@ -79,10 +80,16 @@ def main() -> None:
     p.add_argument("--top", type=int, default=15, help="operators listed per batch size")
     p.add_argument("--out", type=Path, help="write the result as JSON here too")
     args = p.parse_args()
-    if args.n_r < 1 or args.requests < 1 or args.top < 1 or min(args.batch) < 1:
-        raise SystemExit("--n-r, --requests, --top and every --batch must be >= 1")
-    cuda = args.device.startswith("cuda")
-    bundle = search_on(load_bundle(args.bundle), args.device)
+    if min(args.n_r, args.requests, args.top, args.threads, *args.batch) < 1:
+        raise SystemExit("--n-r, --requests, --top, --threads and every --batch must be >= 1")
+    try:
+        cuda = resolve_device(args.device).type == "cuda"
+    except ValueError as exc:
+        raise SystemExit(f"--device: {exc}") from None
+    try:
+        bundle = search_on(load_bundle(args.bundle), args.device)
+    except BundleError as exc:
+        raise SystemExit(f"--bundle: {exc}") from None
     ranking = pipeline(bundle, make_backend(bundle, args.backend, args.threads, args.device))
     contexts = [p.context for p in load_chitchat()["test"][: args.requests]]
     result: dict = provenance() | {"bundle": args.bundle, "device": args.device, "n_r": args.n_r, "rows": []}

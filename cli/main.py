@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from coreply.config import ZERO_SHOT, ModelConfig
-from coreply.restatement import DEFAULT_QUANTILE
+from coreply.restatement import DEFAULT_QUANTILE, check_quantile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -49,12 +49,9 @@ def guard_quantile(text: str) -> float | None:
     if text == "off":
         return None
     try:
-        value = float(text)
+        return check_quantile(float(text))
     except ValueError:
-        value = float("nan")
-    if not 0.5 <= value < 1:
-        raise argparse.ArgumentTypeError(f"must be 'off' or in [0.5, 1), got {text}")
-    return value
+        raise argparse.ArgumentTypeError(f"must be 'off' or in [0.5, 1), got {text}") from None
 
 
 def _load_data(spec: str, max_turns: int) -> dict[str, list]:

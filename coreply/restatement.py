@@ -76,12 +76,18 @@ def closeness(
     return out
 
 
+def check_quantile(quantile: float) -> float:
+    """``quantile`` when the guard can be calibrated at it, [0.5, 1); else a ValueError (NaN too)."""
+    if not 0.5 <= quantile < 1.0:
+        raise ValueError(f"the restatement quantile must be in [0.5, 1), got {quantile}")
+    return quantile
+
+
 def calibrate(encode_responses: EncodeResponses, pairs: Sequence[Any], quantile: float) -> dict[str, Any]:
     """The guard's manifest entry: the ``quantile`` of the human reply's :func:`closeness` to the last
     turn, and to the earlier turns, over (at most :data:`MAX_PAIRS` of) ``pairs`` (objects with
     ``context`` and ``response``), and the share of those replies that either threshold drops."""
-    if not 0.5 <= quantile < 1.0:
-        raise ValueError(f"the restatement quantile must be in [0.5, 1), got {quantile}")
+    check_quantile(quantile)
     pairs = list(pairs)[:MAX_PAIRS]
     if not pairs:
         raise ValueError("calibrating the restatement guard needs held-out pairs")

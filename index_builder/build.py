@@ -133,8 +133,8 @@ def build_bundle(
         raise ValueError(f"--onnx must be one of {ONNX_CHOICES}, got {onnx!r}")
     if top_m is not None and top_m < 1:
         raise ValueError(f"--top-m must be >= 1, got {top_m}")
-    if guard_quantile is not None and not 0.5 <= guard_quantile < 1:
-        raise ValueError(f"--restatement-quantile must be in [0.5, 1) or 'off', got {guard_quantile}")
+    if guard_quantile is not None:
+        restatement.check_quantile(guard_quantile)  # before minutes of encoding, not after
     knowledge = [k for k in (t.strip() for t in knowledge) if k]
     started = time.perf_counter()
     torch_device = resolve_device(device)

@@ -36,3 +36,17 @@ def test_rerank_ops_profiles_the_onnx_reranker(tiny_bundle):
     )
     table = run.stdout.split("| operator | ms per request | share |")[1]
     assert "rerank ms per request" in run.stdout and "MatMul" in table
+
+
+def test_profilers_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle):
+    for script, args, flag in (
+        ("serve_profile.py", ["--bundle", str(tmp_path)], "--bundle: "),
+        ("serve_profile.py", ["--bundle", str(tiny_bundle), "--device", "gpu"], "--device: "),
+        ("rerank_ops.py", ["--bundle", str(tiny_bundle), "--n-r", "0"], "--n-r"),
+    ):
+        run = subprocess.run(
+            [sys.executable, str(ROOT / "bench" / script), *args], capture_output=True, text=True
+        )
+        assert run.returncode != 0 and run.stderr.startswith(flag) and len(run.stderr.splitlines()) == 1, (
+            run.stderr
+        )
