@@ -164,8 +164,7 @@ def _train_parser(sub) -> None:
             p.add_argument(flag, choices=["both", "bi", "cross"], default=default, help=help_)
         else:
             kind = {int: int, float: float}.get(type(default), str)
-            if f.name == "max_steps":
-                kind = int
+            kind = {"max_steps": int, "max_minutes": float}.get(f.name, kind)  # default None
             p.add_argument(flag, type=kind, default=default, help=help_)
 
 

@@ -20,7 +20,7 @@ NON_NEGATIVE = (
     "lora_rank", "hard_negatives", "own_turn_negatives", "paraphrase_negatives", "max_batch_tokens",
     "valid_size", "weight_decay", "gamma_r", "gamma_g", "alpha",
 )  # fmt: skip
-POSITIVE = ("lr", "tau", "grad_clip", "lora_alpha")
+POSITIVE = ("lr", "tau", "grad_clip", "lora_alpha", "max_minutes")
 RULES: dict[str, tuple[Callable[[float], bool], str]] = {
     "at_least_one": (lambda v: v >= 1, ">= 1"),
     "non_negative": (lambda v: v >= 0, ">= 0"),
@@ -41,7 +41,9 @@ def check_fields(config: Any, **groups: Sequence[str]) -> None:
                 raise ValueError(f"{name} (--{name.replace('_', '-')}) must be {text}, got {value}")
 
 
-RESUMABLE = frozenset({"max_steps", "epochs", "patience", "eval_every", "log_every", "device", "prefetch"})
+RESUMABLE = frozenset(
+    {"max_steps", "epochs", "max_minutes", "patience", "eval_every", "log_every", "device", "prefetch"}
+)
 """What ``coreply train --resume`` may change: the budget and the bookkeeping, never the recipe."""
 
 
@@ -63,6 +65,9 @@ HELP = {
     "warmup_ratio": "share of the steps with a linear learning-rate warm-up",
     "epochs": "passes over the training pairs (unless --max-steps is given)",
     "max_steps": "optimizer steps; the budget for equal-budget comparisons (default: --epochs' worth)",
+    "max_minutes": "wall-clock budget of the training loop, validations included (not loading): from the "
+    "measured step and validation times the run plans how many of its steps fit, the learning rate decays "
+    "to zero at that step, and the last validation ends inside the budget",
     "tau": "softmax temperature of the distributions the models learn from each other",
     "gamma_r": "weight of the retriever's KL term (learning from the reranker)",
     "gamma_g": "weight of the reranker's KL term (learning from the retriever)",
@@ -113,6 +118,7 @@ class TrainConfig:
     warmup_ratio: float = 0.1
     epochs: int = 1
     max_steps: int | None = None
+    max_minutes: float | None = None
     tau: float = 3.0
     gamma_r: float = 1.0
     gamma_g: float = 3.0

@@ -18,7 +18,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -136,15 +136,38 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
-def warmup_linear(optimizer: torch.optim.Optimizer, total: int, warmup_ratio: float):
-    warmup = max(1, int(total * warmup_ratio))
+def warmup_linear(
+    optimizer: torch.optim.Optimizer, horizon: int | Callable[[], int], warmup_ratio: float
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up over ``warmup_ratio`` of the steps, then linear decay to zero at the last one. A
+    callable ``horizon`` is read at every step, so a run that re-plans its length (``--max-minutes``)
+    decays to its new end."""
 
     def factor(step: int) -> float:
+        total = horizon() if callable(horizon) else horizon
+        warmup = max(1, int(total * warmup_ratio))
         if step < warmup:
             return (step + 1) / warmup
         return max(0.0, (total - step) / max(1, total - warmup))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def steps_within(seconds: float, step: int, per_step: float, per_valid: float, eval_every: int | None) -> int:
+    """The most steps after ``step`` that fit in ``seconds`` when a step takes ``per_step`` seconds and,
+    with validation (``eval_every`` set), every multiple of ``eval_every`` and the last step are followed
+    by a validation taking ``per_valid``."""
+
+    def cost(n: int) -> float:  # never decreases with n
+        end = step + n
+        valids = end // eval_every - step // eval_every + (end % eval_every != 0) if eval_every else 0
+        return n * per_step + valids * per_valid
+
+    lo, hi = 0, int(seconds // max(per_step, 1e-9))  # the steps alone bound it
+    while lo < hi:  # the largest n with cost(n) <= seconds (0 if none)
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if cost(mid) <= seconds else (lo, mid - 1)
+    return lo
 
 
 class Trainer:
@@ -182,7 +205,8 @@ class Trainer:
         self.tokenize_seconds = self._warm_tokenizers(negative_pool)
         self.global_batch = config.batch_size * config.grad_accum * self.world
         self.steps_per_epoch = max(1, len(self.train_pairs) // self.global_batch)
-        self.total_steps = config.max_steps or self.steps_per_epoch * config.epochs
+        self.planned_steps = config.max_steps or self.steps_per_epoch * config.epochs
+        self.total_steps = self.planned_steps  # fewer when the time budget says so (_plan_within_budget)
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         self.schedulers: dict[str, Any] = {}
         self.wrapped: dict[str, torch.nn.Module] = {}
@@ -194,7 +218,7 @@ class Trainer:
                 trainable, lr=config.lr, weight_decay=config.weight_decay, fused=self.device.type == "cuda"
             )
             self.optimizers[name] = opt
-            self.schedulers[name] = warmup_linear(opt, self.total_steps, config.warmup_ratio)
+            self.schedulers[name] = warmup_linear(opt, lambda: self.total_steps, config.warmup_ratio)
             self.wrapped[name] = DistributedDataParallel(model) if self.world > 1 else model
         mined = config.hard_negatives + config.paraphrase_negatives
         self.miner = (
@@ -224,6 +248,11 @@ class Trainer:
         self.examples_seen = 0
         self.train_seconds = 0.0
         self.token_counts: dict[str, int] = {}
+        # The time budget (--max-minutes): fit()'s wall clock, validations included, carried over a resume.
+        self.clock = time.perf_counter
+        self._elapsed_before = 0.0  # fit()'s seconds in earlier processes (a resumed run)
+        self._valid_seconds: list[float] = []  # each validation with its checkpointing, this process
+        self._mark: tuple[int, float, int] | None = None  # (step, time, validations) after its first step
 
     # ------------------------------------------------------------------------------------ set-up
 
@@ -510,6 +539,7 @@ class Trainer:
             "schedulers": {k: s.state_dict() for k, s in self.schedulers.items()},
             "counters": torch.tensor([self.step, self.stale_evals, self.examples_seen], dtype=torch.long),
             "train_seconds": torch.tensor(self.train_seconds, dtype=torch.float64),
+            "elapsed_seconds": torch.tensor(self._elapsed(), dtype=torch.float64),
             "rng": torch.get_rng_state(),  # dropout masks continue exactly after a resume
         }
         if torch.cuda.is_available():
@@ -535,11 +565,35 @@ class Trainer:
             s.load_state_dict(state["schedulers"][k])
         self.step, self.stale_evals, self.examples_seen = (int(x) for x in state["counters"].tolist())
         self.train_seconds = float(state["train_seconds"])
+        self._elapsed_before = float(state.get("elapsed_seconds", 0.0))  # absent in older states
         torch.set_rng_state(state["rng"].cpu())
         if "cuda_rng" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state_all([t.cpu() for t in state["cuda_rng"]])
         self.best = json.loads((state_dir / "best.json").read_text())
         return True
+
+    def _elapsed(self) -> float:
+        return self.clock() - self._started
+
+    def _plan_within_budget(self, bar: tqdm) -> None:
+        """With ``--max-minutes``: re-plan how many steps the run takes (never more than planned) from this
+        process's measured step and validation times, so that the last step's validation ends inside the
+        budget; the learning-rate schedule follows (:func:`warmup_linear`). A plan of the current step
+        ends the run here. Called where the GPU has just been waited for (a logged loss, a validation)."""
+        if self.cfg.max_minutes is None or self._mark is None or self.step == self._mark[0]:
+            return
+        now = self.clock()
+        step0, t0, valids0 = self._mark
+        per_valid = float(np.mean(self._valid_seconds)) if self._valid_seconds else 0.0
+        per_step = (now - t0 - sum(self._valid_seconds[valids0:])) / (self.step - step0)
+        left = self.cfg.max_minutes * 60 - self._elapsed()
+        every = self.cfg.eval_every if self.valid_pairs else None
+        more = steps_within(left, self.step, per_step, per_valid, every)
+        total = torch.tensor(min(self.planned_steps, self.step + more), device=self.device)
+        if self.world > 1:  # every rank must stop at the same step
+            dist.all_reduce(total, op=dist.ReduceOp.MIN)
+        self.total_steps = max(self.step, int(total))
+        bar.total = self.total_steps
 
     def _log(self, record: dict[str, Any]) -> None:
         if self.rank == 0:
@@ -576,10 +630,13 @@ class Trainer:
                 self.step,
                 self.total_steps,
             )
+        self._started = self.clock() - self._elapsed_before
         if not resumed and self.valid_pairs:
+            t0 = self.clock()
             valid = self.validate()
             self._log({"step": 0, "examples_seen": 0, "valid": valid})
             self._after_eval(valid)
+            self._valid_seconds.append(self.clock() - t0)
         bar = tqdm(
             total=self.total_steps,
             initial=self.step,
@@ -597,6 +654,8 @@ class Trainer:
             self.train_seconds += time.perf_counter() - t0
             window_steps += 1
             bar.update(1)
+            if self._mark is None:  # the first step of a process warms caches up: measure from here
+                self._mark = (self.step, self.clock(), len(self._valid_seconds))
             if self.step % cfg.log_every == 0 or self.step == self.total_steps:
                 means = self.reduce_losses(window, window_steps)  # waits for the GPU: the rate is true
                 rate = window_steps * self.global_batch / max(1e-9, time.perf_counter() - window_start)
@@ -606,11 +665,15 @@ class Trainer:
                 bar.set_postfix(
                     {k: f"{v:.3f}" for k, v in means.items() if k.endswith("_loss")} | {"ex/s": f"{rate:.1f}"}
                 )
+                self._plan_within_budget(bar)
             if self.step % cfg.eval_every == 0 or self.step == self.total_steps:
+                t0 = self.clock()
                 valid = self.validate()
                 stopped_early = self._after_eval(valid) if valid else False
                 self._log({"step": self.step, "examples_seen": self.examples_seen, "valid": valid})
                 self.save_state()
+                self._valid_seconds.append(self.clock() - t0)
+                self._plan_within_budget(bar)
         bar.close()
         if self._prefetcher is not None:
             self._prefetcher.shutdown(cancel_futures=True)
@@ -627,6 +690,9 @@ class Trainer:
             "tokens": self.token_counts,
             "best_valid_hits@1": self.best,
             "stopped_early": stopped_early,
+            "planned_steps": self.planned_steps,
+            "max_minutes": cfg.max_minutes,
+            "elapsed_seconds": round(self._elapsed(), 1),
             "device": str(self.device),
             "world_size": self.world,
         }

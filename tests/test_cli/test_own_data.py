@@ -44,6 +44,7 @@ def own_data(tmp_path, toy_pairs):
         (["train", "-o", "R", "--max-steps", "-5"], "(--max-steps) must be >= 1, got -5"),
         (["train", "-o", "R", "--epochs", "0"], "(--epochs) must be >= 1, got 0"),
         (["train", "-o", "R", "--lr", "0"], "(--lr) must be > 0"),
+        (["train", "-o", "R", "--max-minutes", "0"], "max_minutes (--max-minutes) must be > 0, got 0.0"),
         (["train", "-o", "R", "--device", "tpu"], "device 'tpu' is not one of auto, cpu, cuda, cuda:N"),
         (["index", "build", "-o", "R", "--device", "tpu"], "device 'tpu' is not one of"),
         (["serve", "--device", "tpu"], "--device / COREPLY_DEVICE: device 'tpu' is not one of"),

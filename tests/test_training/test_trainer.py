@@ -11,7 +11,7 @@ from coreply.text import normalize
 from training.config import TrainConfig
 from training.losses import kl_to_target, listwise_ce
 from training.sampling import HardNegativeMiner
-from training.trainer import StepLosses, Trainer, in_row_order
+from training.trainer import StepLosses, Trainer, in_row_order, steps_within
 
 
 def config(tmp_path, tiny_model_dir, **kw) -> TrainConfig:
@@ -199,6 +199,44 @@ def test_early_stopping_after_patience_evaluations_without_a_new_best(tmp_path, 
     cfg = config(tmp_path, tiny_model_dir, mode="core", lr=1e-30, max_steps=20, eval_every=2, patience=2)
     summary = Trainer(cfg, toy_pairs, toy_pairs[:8], pool_of(toy_pairs)).fit()
     assert summary["stopped_early"] and summary["steps"] == 4
+
+
+def test_steps_within_counts_the_validations_and_keeps_one_for_the_end():
+    # from step 2, 1 s a step, 5 s a validation after steps 5, 10, ... and after the last one
+    assert steps_within(53, 2, 1.0, 5.0, 5) == 23  # to step 25: 23 s + 5 validations = 48 s; 26 would be 54
+    assert steps_within(48, 2, 1.0, 5.0, 5) == 23 and steps_within(47.9, 2, 1.0, 5.0, 5) == 22
+    assert steps_within(4, 2, 1.0, 5.0, 5) == 0  # not even the last validation fits
+    assert steps_within(10, 0, 0.5, 0.0, None) == 20  # no validation: the steps alone
+    assert steps_within(-3, 0, 0.5, 1.0, 4) == 0
+
+
+def test_a_time_budget_plans_the_run_to_end_with_its_last_validation_inside_it(
+    tmp_path, tiny_model_dir, toy_pairs
+):
+    # A fake clock makes the arithmetic exact: a step takes 1 s, a validation 5 s, the budget is 60 s.
+    cfg = config(tmp_path, tiny_model_dir, mode="core", max_steps=1000, eval_every=5, max_minutes=1.0)
+    trainer = Trainer(cfg, toy_pairs, toy_pairs[:8], pool_of(toy_pairs))
+    now = [0.0]
+    trainer.clock = lambda: now[0]
+    real_step, real_validate = trainer.train_step, trainer.validate
+
+    def step(*args):
+        now[0] += 1.0
+        return real_step(*args)
+
+    def validate():
+        now[0] += 5.0
+        return real_validate()
+
+    trainer.train_step, trainer.validate = step, validate
+    summary = trainer.fit()
+    # step-0 validation 5 s, then 5 x (5 steps + validation) = 55 s; a 26th step and its validation: 61 s
+    assert summary["steps"] == 25 and summary["planned_steps"] == 1000
+    assert summary["elapsed_seconds"] == 55.0 and not summary["stopped_early"]
+    last = records(tmp_path / "run")[-1]
+    assert last["step"] == 25 and last["valid"]  # the run ends with its validation
+    assert trainer.schedulers["bi"].get_last_lr() == [0.0]  # the schedule decayed to the planned end
+    assert (tmp_path / "run" / "bi" / "checkpoint.json").is_file()
 
 
 def test_config_errors():
