@@ -36,9 +36,12 @@ def own_turn_negatives(pair: Pair, count: int) -> list[str]:
 
 
 class HardNegativeMiner:
-    """Negatives mined by the *current* retriever from a fixed sample of the training pool.
+    """Negatives mined by the retriever from a fixed sample of the training pool.
 
-    Every ``refresh_every`` steps the response tower re-embeds the sample. Two kinds are mined:
+    Every ``refresh_every`` steps the response tower re-embeds the sample and, given the pairs of the
+    steps ahead, each of their queries, so that a step's mining is a table look-up: no retriever pass
+    and no wait for the GPU, and the next step can be prepared while this one trains. Both sides are
+    thus as old as the last refresh. Two kinds are mined:
 
     * ``by="context"``: the pool entries the retriever ranks highest for the context (its own top
       ``top_k``, of which ``count`` are drawn at random): what it would wrongly answer.
@@ -55,16 +58,56 @@ class HardNegativeMiner:
         self.count, self.refresh_every, self.top_k = count, refresh_every, top_k
         self.embeddings: torch.Tensor | None = None  # [P, D]
         self.refreshed_at = -1
+        self._rows: dict[tuple, list[int]] = {}  # (by, k, query key) -> the pool's top k for it
 
-    def maybe_refresh(self, bi, step: int) -> None:
-        if self.embeddings is None or step - self.refreshed_at >= self.refresh_every:
-            was_training = bi.training
-            bi.eval()
-            self.embeddings = bi.embed_responses(self.pool)
-            bi.train(was_training)
-            self.refreshed_at = step
+    def due(self, step: int) -> bool:
+        return self.embeddings is None or step - self.refreshed_at >= self.refresh_every
+
+    def maybe_refresh(
+        self, bi, step: int, ahead: Sequence[Pair] = (), kinds: dict[str, int] | None = None
+    ) -> bool:
+        """Re-embed the sample when due, and look up the top rows of every pair in ``ahead`` for each
+        ``kinds`` entry (by -> count). Returns whether it refreshed."""
+        if not self.due(step):
+            return False
+        was_training = bi.training
+        bi.eval()
+        self.embeddings = bi.embed_responses(self.pool)
+        self._rows = {}
+        for by, count in (kinds or {}).items():
+            self._rows.update(self._search(bi, ahead, by, count))
+        bi.train(was_training)
+        self.refreshed_at = step
+        return True
+
+    def _k(self, by: str, count: int) -> int:
+        if by not in ("context", "last_turn"):
+            raise ValueError(f"by must be 'context' or 'last_turn', got {by!r}")
+        return min(self.top_k if by == "context" else 2 * count + 1, len(self.pool))
+
+    @staticmethod
+    def _query(pair: Pair, by: str) -> tuple:
+        return tuple(pair.context) if by == "context" else (pair.context[-1],)
 
     @torch.no_grad()
+    def _search(self, bi, pairs: Sequence[Pair], by: str, count: int) -> dict[tuple, list[int]]:
+        """The pool's top rows for each distinct query of ``pairs`` (one retriever pass; bi in eval)."""
+        assert self.embeddings is not None, "call maybe_refresh first"
+        k = self._k(by, count)
+        queries = list(dict.fromkeys(self._query(p, by) for p in pairs))
+        if not queries:
+            return {}
+        if by == "context":
+            vectors = bi.embed_contexts([list(q) for q in queries])  # [Q, D]
+        else:
+            vectors = bi.embed_responses([q[0] for q in queries])  # [Q, D]
+        device = next(bi.parameters()).device
+        pool = self.embeddings.to(device)  # [P, D]
+        rows: list[list[int]] = []
+        for chunk in torch.split(vectors, 4096):  # [<=4096, D]
+            rows += torch.topk(chunk.to(device) @ pool.T, k=k, dim=1).indices.tolist()
+        return {(by, k, q): row for q, row in zip(queries, rows, strict=True)}
+
     def mine(
         self,
         bi,
@@ -74,25 +117,24 @@ class HardNegativeMiner:
         by: str = "context",
         avoid: Sequence[set[str]] | None = None,
     ) -> list[list[str]]:
-        """``count`` (default: the miner's) negatives per pair, never the gold nor a key in ``avoid[i]``."""
+        """``count`` (default: the miner's) negatives per pair, never the gold nor a key in ``avoid[i]``.
+        Pairs the last refresh did not look up are searched now (a retriever pass)."""
         assert self.embeddings is not None, "call maybe_refresh first"
         count = self.count if count is None else count
         if count == 0:
             return [[] for _ in pairs]
-        was_training = bi.training
-        bi.eval()
-        if by == "context":
-            queries, top_k = bi.embed_contexts([p.context for p in pairs]), self.top_k  # [B, D]
-        elif by == "last_turn":
-            queries, top_k = bi.embed_responses([p.context[-1] for p in pairs]), 2 * count + 1  # [B, D]
-        else:
-            raise ValueError(f"by must be 'context' or 'last_turn', got {by!r}")
-        bi.train(was_training)
-        top = torch.topk(queries @ self.embeddings.T, k=min(top_k, len(self.pool)), dim=1).indices  # [B, k]
+        k = self._k(by, count)
+        keys = [(by, k, self._query(p, by)) for p in pairs]
+        missing = [p for p, key in zip(pairs, keys, strict=True) if key not in self._rows]
+        if missing:
+            was_training = bi.training
+            bi.eval()
+            self._rows.update(self._search(bi, missing, by, count))
+            bi.train(was_training)
         out = []
-        for i, (pair, row) in enumerate(zip(pairs, top.tolist(), strict=True)):
+        for i, (pair, key) in enumerate(zip(pairs, keys, strict=True)):
             taken = {normalize(pair.response)} | (avoid[i] if avoid is not None else set())
-            choices = [j for j in row if self.keys[j] not in taken]
+            choices = [j for j in self._rows[key] if self.keys[j] not in taken]
             picked = rng.choice(len(choices), size=min(count, len(choices)), replace=False)
             out.append([self.pool[choices[j]] for j in sorted(picked)])
         return out

@@ -237,10 +237,9 @@ class Trainer:
             raise ValueError(
                 "hard and paraphrase negatives are mined by the bi-encoder, which this run does not train"
             )
-        # Mining needs the current retriever, so with a miner the next step cannot be prepared early.
-        self._prefetcher = (
-            ThreadPoolExecutor(1, thread_name_prefix="prefetch") if config.prefetch and not mined else None
-        )
+        # The miner's refresh (a retriever pass) runs on this thread in _take; the prefetch thread only
+        # looks its tables up.
+        self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="prefetch") if config.prefetch else None
         self._prefetched: tuple[tuple[int, int], Future] | None = None
         self.step = 0
         self.best: dict[str, float] = {}
@@ -351,8 +350,6 @@ class Trainer:
         global lists, then takes its slice)."""
         cfg = self.cfg
         pairs, rng = self._global_batch(epoch, index)
-        if self.miner is not None:
-            self.miner.maybe_refresh(self.bi, self.step)
         lists = self._candidate_lists(pairs, rng)
         per_rank = cfg.batch_size * cfg.grad_accum
         mine = slice(self.rank * per_rank, (self.rank + 1) * per_rank)
@@ -362,11 +359,26 @@ class Trainer:
             for s in range(0, len(my_pairs), cfg.batch_size)
         ]
 
+    def _refresh_miner(self) -> bool:
+        """When due, the miner re-embeds its pool and searches the queries of this step and of the
+        ``hard_refresh`` after it (the prefetch thread then never needs the retriever)."""
+        if self.miner is None or not self.miner.due(self.step):
+            return False
+        last = min(self.planned_steps, self.step + self.cfg.hard_refresh + 1)  # a re-plan may grow
+        ahead = [
+            p for s in range(self.step, last) for p in self._global_batch(*divmod(s, self.steps_per_epoch))[0]
+        ]
+        kinds = {"last_turn": self.cfg.paraphrase_negatives, "context": self.cfg.hard_negatives}
+        return self.miner.maybe_refresh(self.bi, self.step, ahead, {k: n for k, n in kinds.items() if n})
+
     def _take(self, epoch: int, index: int) -> list[MicroBatch]:
         """The prepared step (from the prefetch thread when it guessed right), and start the next."""
         ahead = self._prefetched
         self._prefetched = None
-        batches = ahead[1].result() if ahead is not None and ahead[0] == (epoch, index) else None
+        batches = ahead[1].result() if ahead is not None else None  # the thread is idle from here on
+        refreshed = self._refresh_miner()
+        if refreshed or (ahead is not None and ahead[0] != (epoch, index)):
+            batches = None  # mined before this refresh, or a wrong guess: drawn again, as without prefetch
         if batches is None:
             batches = self._prepare(epoch, index)
         if self._prefetcher is not None and self.step + 1 < self.total_steps:

@@ -1,4 +1,5 @@
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -377,20 +378,40 @@ def test_negative_counts_are_checked():
         TrainConfig(own_turn_negatives=-1)
 
 
+@pytest.mark.parametrize("mined", [0, 1])
 def test_prefetching_the_next_step_trains_exactly_like_building_it_in_turn(
-    tmp_path, tiny_model_dir, toy_pairs
+    tmp_path, tiny_model_dir, toy_pairs, mined
 ):
+    # with paraphrase negatives too: the miner searches only at its refreshes (steps 0, 2, 4), on the
+    # training thread, and a step prefetched before a refresh is drawn again after it
     runs = []
     for prefetch in (True, False):
         cfg = config(
-            tmp_path, tiny_model_dir, mode="core", prefetch=prefetch, output_dir=str(tmp_path / str(prefetch))
+            tmp_path,
+            tiny_model_dir,
+            mode="core",
+            prefetch=prefetch,
+            output_dir=str(tmp_path / str(prefetch)),
+            max_steps=5,
+            paraphrase_negatives=mined,
+            hard_refresh=2,
         )
         trainer = Trainer(cfg, toy_pairs, [], pool_of(toy_pairs))
         trainer.bi.eval(), trainer.cross.eval()  # no dropout: both runs are deterministic
         assert (trainer._prefetcher is not None) == prefetch
+        searches = []
+        if mined:
+            real_search = trainer.miner._search
+
+            def search(*args, real_search=real_search, searches=searches, trainer=trainer):
+                searches.append((threading.current_thread().name, trainer.step))
+                return real_search(*args)
+
+            trainer.miner._search = search
         losses = [
-            trainer.reduce_losses(trainer.train_step(*divmod(i, trainer.steps_per_epoch))) for i in range(4)
+            trainer.reduce_losses(trainer.train_step(*divmod(i, trainer.steps_per_epoch))) for i in range(5)
         ]
+        assert searches == ([("MainThread", s) for s in (0, 2, 4)] if mined else [])
         runs.append((losses, [p.detach().clone() for p in trainer.cross.parameters()]))
     assert runs[0][0] == runs[1][0]
     assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1], strict=True))
