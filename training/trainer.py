@@ -250,6 +250,7 @@ class Trainer:
         # The time budget (--max-minutes): fit()'s wall clock, validations included, carried over a resume.
         self.clock = time.perf_counter
         self._elapsed_before = 0.0  # fit()'s seconds in earlier processes (a resumed run)
+        self._started = self.clock()  # fit() sets it again, less _elapsed_before
         self._valid_seconds: list[float] = []  # each validation with its checkpointing, this process
         self._mark: tuple[int, float, int] | None = None  # (step, time, validations) after its first step
 

@@ -13,14 +13,14 @@ def test_train_speed_reports_throughput_padding_and_utilisation_per_mode_and_var
     run = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "train_speed.py"), "--device", "cpu", "--steps", "1",
          "--warmup", "1", "--pairs", "300", "--batch-size", "4", "--num-negatives", "3",
-         "--modes", "core", "distill", "--variant", "base", "chunks=64", "--out", str(out)],
+         "--modes", "core", "distill", "--variant", "base", "chunks=64", "mined=1", "--out", str(out)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     result = json.loads(out.read_text())
     assert result["train_pairs"] == 300 and result["list_size"] == 4 and result["date"]
     rows = {(r["mode"], r["variant"]): r for r in result["rows"]}
-    assert set(rows) == {(m, v) for m in ("core", "distill") for v in ("base", "chunks=64")}
+    assert set(rows) == {(m, v) for m in ("core", "distill") for v in ("base", "chunks=64", "mined=1")}
     for r in rows.values():
         assert r["contexts_per_s"] > 0 and r["tokens_per_s"] > 0 and r["model_tflops_per_s"] > 0
         assert 0 < r["mfu_vs_measured_matmul"] < 1
