@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 import tempfile
@@ -35,6 +34,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from bench import provenance  # bench/bench.py: this script's directory is on sys.path
+from coreply.artifacts import write_json_atomic
 from coreply.checkpoint import save_checkpoint
 from coreply.config import ModelConfig
 from coreply.corpus import build_pool, load_chitchat
@@ -154,6 +154,13 @@ def measure(
 
 
 def config_for(base: TrainConfig, mode: str, variant: str, teacher: str) -> TrainConfig:
+    try:
+        return _config_for(base, mode, variant, teacher)
+    except ValueError as exc:  # e.g. mined=N with fewer negatives than N
+        raise SystemExit(f"train_speed: --variant {variant}: {exc}") from None
+
+
+def _config_for(base: TrainConfig, mode: str, variant: str, teacher: str) -> TrainConfig:
     cfg = replace(base, mode=mode, teacher=teacher if mode == "distill" else None)
     if variant == "no-prefetch":
         cfg = replace(cfg, prefetch=False)
@@ -227,7 +234,17 @@ def main() -> None:
     )
     peak = measured_peak(device)
     nominal = nominal_peak()
-    rows = []
+    rows: list[dict[str, Any]] = []
+    result = {
+        **provenance(),
+        "base_model": base_model,
+        "device": str(device),
+        "train_pairs": len(pairs),
+        "list_size": args.num_negatives + 1,
+        "measured_matmul_tflops": round(peak / 1e12, 2),
+        "nominal_bf16_tflops": nominal and nominal / 1e12,
+        "rows": rows,
+    }
     for mode in args.modes:
         for variant in args.variant:
             cfg = config_for(base, mode, variant, str(teacher))
@@ -247,17 +264,7 @@ def main() -> None:
                 f"MFU {r.get('mfu', r['mfu_vs_measured_matmul']):.3f} epoch {r['epoch_minutes']} min",
                 flush=True,
             )
-    result = {
-        **provenance(),
-        "base_model": base_model,
-        "device": str(device),
-        "train_pairs": len(pairs),
-        "list_size": args.num_negatives + 1,
-        "measured_matmul_tflops": round(peak / 1e12, 2),
-        "nominal_bf16_tflops": nominal and nominal / 1e12,
-        "rows": rows,
-    }
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+            write_json_atomic(Path(args.out), result)  # after every row: a run cut off keeps what it measured
     print(f"wrote {args.out}")
 
 

