@@ -5,8 +5,11 @@ Recipe: the CORE-trained bi-encoder in ``coreply/weights/core-lora-bi`` (low-ran
 all-MiniLM-L6-v2, scaled cosine, one shared tower; provenance and measured metrics in its
 ``checkpoint.json`` and in ``coreply/weights/README.md``) as the retriever over every distinct response
 of the chitchat corpus (124,141), int8 ONNX, exact inner-product search, and the restatement guard
-calibrated on the validation split (:mod:`coreply.restatement`). No reranker: the CORE cross-encoder of
-the same run is still below the retriever (docs/results.md §7).
+calibrated on the validation split (:mod:`coreply.restatement`). No reranker yet: the CORE cross-encoder
+of the same run is still below the retriever (docs/results.md §7). A reranker that earns its place is
+shipped as ``coreply/weights/default-cross``; when that checkpoint exists the default reranks the
+retriever's candidates with it, fused by the z-score weight calibrated on validation pairs, and an
+existing default bundle is rebuilt.
 """
 
 from __future__ import annotations
@@ -20,6 +23,13 @@ RECALL_QUERIES = 500
 RECIPE = "default bundle, recipe 2 (restatement guard)"
 """Recorded as the bundle's build command; a default bundle built by another recipe is rebuilt."""
 DEFAULT_BI = Path(coreply.__file__).parent / "weights" / "core-lora-bi"
+DEFAULT_CROSS = Path(coreply.__file__).parent / "weights" / "default-cross"
+CALIBRATION_PAIRS = 500
+
+
+def shipped_cross() -> Path | None:
+    """The shipped reranker, if this checkout has one."""
+    return DEFAULT_CROSS if (DEFAULT_CROSS / "checkpoint.json").is_file() else None
 
 
 def build_default_bundle(out: str | Path, progress: bool = True) -> dict[str, Any]:
@@ -27,11 +37,13 @@ def build_default_bundle(out: str | Path, progress: bool = True) -> dict[str, An
     from index_builder.build import build_bundle
 
     splits = load_chitchat()
+    cross = shipped_cross()
     return build_bundle(
         out,
         responses_of(splits),
         bi=str(DEFAULT_BI),
-        cross=None,
+        cross=str(cross) if cross else None,
+        calibration=splits["valid"][-CALIBRATION_PAIRS:] if cross else (),  # not the recall queries
         onnx="int8",
         queries=[p.context for p in splits["valid"][:RECALL_QUERIES]],
         pool_source="chitchat-dataset 0.9.0, all splits",
@@ -49,11 +61,12 @@ def ensure_default_bundle(path: Path) -> None:
 
     if (path / MANIFEST).is_file():
         manifest = read_manifest(path, verify=False)
-        built = manifest["models"]["bi"].get("content_hash")
-        recipe = manifest.get("build", {}).get("command")
-        if built == read_meta(DEFAULT_BI)["content_hash"] and recipe == RECIPE:
+        built = [(manifest["models"].get(k) or {}).get("content_hash") for k in ("bi", "cross")]
+        cross = shipped_cross()
+        shipped = [read_meta(DEFAULT_BI)["content_hash"], read_meta(cross)["content_hash"] if cross else None]
+        if built == shipped and manifest.get("build", {}).get("command") == RECIPE:
             return  # the server verifies every file when it loads the bundle
-        why = "the shipped retriever or the recipe changed since it was built"
+        why = "the shipped weights or the recipe changed since it was built"
     else:
         why = "first start only"
     print(f"building the default bundle in {path} ({why}; a few minutes)", flush=True)

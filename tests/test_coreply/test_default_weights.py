@@ -64,3 +64,31 @@ def test_default_bundle_is_rebuilt_when_the_shipped_weights_or_the_recipe_change
     built_from(read_meta(DEFAULT_BI)["content_hash"])
     default.ensure_default_bundle(bundle)  # current: kept
     assert built == [bundle, bundle, bundle]
+
+
+def test_a_shipped_reranker_joins_the_default_with_calibrated_fusion(tmp_path, monkeypatch, tiny_core):
+    import json
+
+    from coreply.bundle import FORMAT, MANIFEST
+    from index_builder import build, default
+
+    assert default.shipped_cross() is None  # none shipped yet: the default is retrieval only
+    monkeypatch.setattr(default, "DEFAULT_CROSS", tiny_core / "cross")
+    calls = []
+    monkeypatch.setattr(build, "build_bundle", lambda out, texts, **kw: calls.append(kw))
+    default.build_default_bundle(tmp_path / "b")
+    kw = calls[0]
+    assert kw["cross"] == str(tiny_core / "cross") and len(kw["calibration"]) == default.CALIBRATION_PAIRS
+
+    built = []
+    monkeypatch.setattr(default, "build_default_bundle", built.append)
+    bundle = tmp_path / "default-bundle"
+    bundle.mkdir()
+    bi = {"content_hash": read_meta(DEFAULT_BI)["content_hash"]}
+    manifest = {"format": FORMAT, "models": {"bi": bi, "cross": None}, "build": {"command": default.RECIPE}}
+    (bundle / MANIFEST).write_text(json.dumps(manifest))
+    default.ensure_default_bundle(bundle)  # built without the reranker now shipped: rebuilt
+    manifest["models"]["cross"] = {"content_hash": read_meta(tiny_core / "cross")["content_hash"]}
+    (bundle / MANIFEST).write_text(json.dumps(manifest))
+    default.ensure_default_bundle(bundle)  # current: kept
+    assert built == [bundle]
