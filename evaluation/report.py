@@ -263,9 +263,11 @@ def render_markdown(
         ]
         for name, r in sorted(runs.items()):
             best = ", ".join(f"{k} {v:.1f}" for k, v in r.get("best_valid_hits@1", {}).items())
+            steps = str(r["steps"])
+            if r.get("max_minutes"):  # a time budget planned the steps: of how many it could have taken
+                steps += f" of {r['planned_steps']} ({r['max_minutes']:g} min)"
             lines.append(
-                f"| {name} | {r['steps']} | {r['examples_seen']} | {r['train_seconds']} | {best} | "
-                f"{r['device']} |"
+                f"| {name} | {steps} | {r['examples_seen']} | {r['train_seconds']} | {best} | {r['device']} |"
             )
         lines.append("")
     size = metas[0]["candidates_protocol_a"] if metas else 100

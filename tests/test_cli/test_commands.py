@@ -50,10 +50,13 @@ def test_train_eval_report_end_to_end(tmp_path, tiny_model_dir, data_file):
         "4",
         "--device",
         "cpu",
+        "--max-minutes",
+        "30",  # does not bind: the steps do
     )
     assert trained.returncode == 0, trained.stderr
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["mode"] == "core"
+    assert summary["planned_steps"] == 3 and summary["max_minutes"] == 30 and summary["elapsed_seconds"] > 0
     assert {"bi", "cross", "state"} <= {p.name for p in run.iterdir()}
     assert len((run / "metrics.jsonl").read_text().splitlines()) >= 3
 
@@ -128,6 +131,7 @@ def test_train_eval_report_end_to_end(tmp_path, tiny_model_dir, data_file):
     assert "### Protocol A" in text and "### Protocol B" in text and "| run |" in text
     assert "restates %" in text and "the human (gold) replies do so in" in text
     assert "+ guard: protocol B recall without the candidates" in text
+    assert f"| {run.name} | 3 of 3 (30 min) |" in text  # the run's steps and its time budget
     assert (tmp_path / "nr.png").stat().st_size > 1000
     assert (tmp_path / "curves.png").stat().st_size > 1000
 
