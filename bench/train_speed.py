@@ -13,8 +13,8 @@ bf16 peak (H100/H200) and, on any device, by a measured large-matmul peak.
 ``--variant`` adds ablations of the same mode: ``no-cache`` (every step calls the tokenizer, as before
 the id cache), ``no-prefetch``, ``chunks=N`` (reranker pairs in token-budget chunks of N), ``batch=N``,
 ``compile``, ``mined=N`` (N of the negatives are the pool's paraphrases of the last turn, mined by the
-current retriever every step, as the lease's runs do; a step then waits for that search and cannot be
-prepared ahead).
+retriever as the lease's runs do; the miner's refresh, every ``hard_refresh`` steps, falls in the warm-up,
+so the timed steps show the per-step cost of mining, not the refresh's).
 """
 
 from __future__ import annotations

