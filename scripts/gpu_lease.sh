@@ -368,7 +368,8 @@ print(int(os.path.getmtime(sys.argv[1]) + m * 60 + 60) if m else 0)" "$cfg")
     ;;
   pack)  # adapters, JSON, logs (the resume state/ dirs stay behind), in parts of <= 15 MiB (the limit
     # per file that comes back is 16 MiB); unpack here with: cat lease.tgz.* | tar xz -C runs
-    local out=${OUT:-$LEASE}
+    local out=${OUT:-/tmp/$(basename "$LEASE")-pack}  # never inside what it packs
+    mkdir -p "$out"
     rm -f "$out"/lease.tgz.*
     tar cz --exclude='*/state' --exclude='*.tmp' --exclude='*/model.safetensors' -C runs "$(basename "$LEASE")" | split -b 15M - "$out/lease.tgz."
     (cd "$out" && sha256sum lease.tgz.* >lease.sha256 && ls -la lease.tgz.*)
