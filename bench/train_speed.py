@@ -154,13 +154,6 @@ def measure(
 
 
 def config_for(base: TrainConfig, mode: str, variant: str, teacher: str) -> TrainConfig:
-    try:
-        return _config_for(base, mode, variant, teacher)
-    except ValueError as exc:  # e.g. mined=N with fewer negatives than N
-        raise SystemExit(f"train_speed: --variant {variant}: {exc}") from None
-
-
-def _config_for(base: TrainConfig, mode: str, variant: str, teacher: str) -> TrainConfig:
     cfg = replace(base, mode=mode, teacher=teacher if mode == "distill" else None)
     if variant == "no-prefetch":
         cfg = replace(cfg, prefetch=False)
@@ -247,7 +240,10 @@ def main() -> None:
     }
     for mode in args.modes:
         for variant in args.variant:
-            cfg = config_for(base, mode, variant, str(teacher))
+            try:
+                cfg = config_for(base, mode, variant, str(teacher))
+            except ValueError as exc:  # e.g. mined=N with fewer negatives than N
+                raise SystemExit(f"train_speed: --variant {variant}: {exc}") from None
             r = measure(cfg, pairs, pool, variant, args.warmup, args.steps, len(splits["train"]))
             gc.collect()  # the run's models go before the next one starts
             if torch.cuda.is_available():

