@@ -95,9 +95,7 @@ def step_flops(trainer: Trainer, batches: list) -> float:
     mode = trainer.cfg.mode
     for mb in batches:
         if trainer.bi is not None:
-            bi_lengths = torch.cat(
-                [b.attention_mask.sum(1) for b in [mb.contexts] + [b for _, b in mb.responses]]
-            )
+            bi_lengths = torch.cat([b.attention_mask.sum(1) for _, b in mb.contexts + mb.responses])
             total += (4 if mode == "mutual" else 3) * pass_flops(trainer.bi, bi_lengths)
         if trainer.cross is not None:
             total += 3 * pass_flops(trainer.cross, torch.cat([b.attention_mask.sum(1) for _, b in mb.cross]))

@@ -177,13 +177,16 @@ class BiEncoder(_Encoder):
         return self._head(self.response_projection, pool(hidden, batch.attention_mask, self.config.pooling))
 
     def forward(
-        self, contexts: Batch, responses: Batch | Sequence[Batch]
+        self, contexts: Batch | Sequence[Batch], responses: Batch | Sequence[Batch]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> the context side (:meth:`read_context`) and response embeddings [M, D]; a bi-encoder's
-        scores are ``ctx @ resp.T``. ``responses`` may come as chunks (less padding); their embeddings
-        are concatenated in order."""
-        chunks = [responses] if isinstance(responses, Batch) else responses
-        return self.read_context(contexts), torch.cat([self.encode_response(r) for r in chunks])
+        scores are ``ctx @ resp.T``. Either side may come as chunks (less padding); their outputs are
+        concatenated in order."""
+        as_list = lambda x: [x] if isinstance(x, Batch) else x  # noqa: E731
+        return (
+            torch.cat([self.read_context(c) for c in as_list(contexts)]),
+            torch.cat([self.encode_response(r) for r in as_list(responses)]),
+        )
 
     def read_context(self, batch: Batch) -> torch.Tensor:
         """What training scores a context with: [N, D] here (a Poly-encoder's [N, 1 + m, D])."""

@@ -80,8 +80,8 @@ HELP = {
     "own_turn_negatives": "how many negatives are the context's own turns (restatements)",
     "paraphrase_negatives": "how many negatives are the pool's nearest neighbours of the last turn: "
     "paraphrases of what the user just said (mined like the hard negatives)",
-    "max_batch_tokens": "> 0: run the reranker's pairs in length-sorted chunks of at most this many padded "
-    "tokens (less padding); 0: one padded batch per micro-batch",
+    "max_batch_tokens": "> 0: run each model's inputs (contexts, candidates, reranker pairs) in "
+    "length-sorted chunks of at most this many padded tokens (less padding); 0: one padded batch each",
     "prefetch": "build the next step's lists and token ids in a thread while this step runs",
     "compile": "torch.compile the models (dynamic shapes)",
     "grad_clip": "gradient-norm clip (the precursor paper's value)",

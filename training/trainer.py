@@ -73,7 +73,7 @@ class MicroBatch:
 
     pairs: list[Pair]
     lists: list[list[str]]
-    contexts: Batch | None = None  # bi-encoder contexts [B, Lc]
+    contexts: Chunks | None = None  # bi-encoder contexts [B] in all
     responses: Chunks | None = None  # bi-encoder candidates, list after list [B*N] in all
     cross: Chunks | None = None  # reranker pairs, list after list [B*N] in all
     teacher: Chunks | None = None  # the same pairs for a distillation teacher
@@ -82,7 +82,7 @@ class MicroBatch:
     def counts(self) -> dict[str, int]:
         """Real and padded tokens per model, for throughput figures."""
         out: dict[str, int] = {}
-        bi = [self.contexts] + [b for _, b in self.responses] if self.contexts is not None else []
+        bi = [b for _, b in self.contexts + self.responses] if self.contexts is not None else []
         for name, batches in (("bi", bi), ("cross", [b for _, b in self.cross or []])):
             if batches:
                 out[f"{name}_tokens"] = sum(b.tokens for b in batches)
@@ -91,10 +91,8 @@ class MicroBatch:
 
     def pin_memory(self) -> MicroBatch:
         pin = lambda chunks: [(i, b.pin_memory()) for i, b in chunks] if chunks else chunks  # noqa: E731
-        contexts = self.contexts.pin_memory() if self.contexts is not None else None
-        return MicroBatch(
-            self.pairs, self.lists, contexts, pin(self.responses), pin(self.cross), pin(self.teacher)
-        )
+        chunks = (pin(self.contexts), pin(self.responses), pin(self.cross), pin(self.teacher))
+        return MicroBatch(self.pairs, self.lists, *chunks)
 
 
 def in_chunks(make_batch, rows: list, lengths: Sequence[int], max_tokens: int) -> Chunks:
@@ -122,6 +120,12 @@ def pair_chunks(
     rows = list(zip(c_rows, tok.response_bodies([t for cands in lists for t in cands]), strict=True))
     lengths = [len(c) + len(r) + 3 for c, r in rows]
     return in_chunks(lambda rs: tok.batch_pairs(*zip(*rs, strict=True)), rows, lengths, max_tokens)
+
+
+def context_chunks(tok: DialogueTokenizer, contexts: Sequence[Sequence[str]], max_tokens: int) -> Chunks:
+    """Every context as bi-encoder context input."""
+    bodies = tok.context_bodies(contexts)
+    return in_chunks(tok.batch_singles, bodies, [len(b) + 2 for b in bodies], max_tokens)
 
 
 def response_chunks(tok: DialogueTokenizer, lists: Sequence[Sequence[str]], max_tokens: int) -> Chunks:
@@ -341,7 +345,7 @@ class Trainer:
         contexts = [p.context for p in pairs]
         budget = self.cfg.max_batch_tokens
         if self.bi is not None:
-            mb.contexts = self.bi.tokenizer.contexts(contexts)
+            mb.contexts = context_chunks(self.bi.tokenizer, contexts, budget)
             mb.responses = response_chunks(self.bi.tokenizer, lists, budget)
         if self.cross is not None:
             mb.cross = pair_chunks(self.cross.tokenizer, contexts, lists, budget)
@@ -398,9 +402,10 @@ class Trainer:
         its CE trains the pooled vector (which retrieves) and the codes (which rescore) together."""
         b, n = len(mb.lists), len(mb.lists[0])
         ctx, resp = self.wrapped["bi"](
-            mb.contexts.to(self.device, non_blocking=True),
+            [chunk.to(self.device, non_blocking=True) for _, chunk in mb.contexts],
             [chunk.to(self.device, non_blocking=True) for _, chunk in mb.responses],
         )
+        ctx = in_row_order(ctx, mb.contexts)  # [B, D] (a Poly-encoder's [B, 1 + m, D])
         resp = in_row_order(resp, mb.responses).view(b, n, -1)  # [B, N, D]
         codes = ctx[:, 1:] if ctx.dim() == 3 else None  # Poly-encoder: [B, m, D]
         pooled = ctx[:, 0] if codes is not None else ctx  # [B, D]

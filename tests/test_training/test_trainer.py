@@ -69,7 +69,8 @@ def test_core_gradients_come_only_from_each_models_own_loss(tmp_path, tiny_model
     got_bi = [p.grad.clone() for p in trainer.bi.parameters()]
     got_cross = [p.grad.clone() for p in trainer.cross.parameters()]
 
-    ctx, resp = trainer.bi(mb.contexts, [chunk for _, chunk in mb.responses])  # the list-wise CE by hand
+    ctx, resp = trainer.bi([c for _, c in mb.contexts], [c for _, c in mb.responses])  # the CE by hand
+    ctx = in_row_order(ctx, mb.contexts)
     resp = in_row_order(resp, mb.responses).view(4, 4, -1)  # [B, N, D]
     R = torch.einsum("bd,bnd->bn", ctx, resp)
     assert torch.allclose(R, trainer._bi_scores(mb)[0], atol=1e-6)
@@ -333,7 +334,8 @@ def test_length_sorted_chunks_score_like_one_padded_batch(tmp_path, tiny_model_d
     pairs, rng = one._global_batch(0, 0)
     lists = one._candidate_lists(pairs, rng)
     a, b = one._micro_batch(pairs, lists), chunked._micro_batch(pairs, lists)
-    assert len(a.cross) == len(a.responses) == 1 and len(b.cross) > 1 and len(b.responses) > 1
+    assert len(a.cross) == len(a.responses) == len(a.contexts) == 1
+    assert len(b.cross) > 1 and len(b.responses) > 1 and len(b.contexts) > 1
     for name in ("bi", "cross"):
         assert b.counts[f"{name}_tokens"] == a.counts[f"{name}_tokens"]
         assert b.counts[f"{name}_padded"] < a.counts[f"{name}_padded"]
