@@ -1,4 +1,4 @@
-"""The CORE-trained retriever shipped in the repository for the default bundle."""
+"""The retriever shipped in the repository for the default bundle."""
 
 import pytest
 import torch
