@@ -122,15 +122,8 @@ def pair_chunks(
     return in_chunks(lambda rs: tok.batch_pairs(*zip(*rs, strict=True)), rows, lengths, max_tokens)
 
 
-def context_chunks(tok: DialogueTokenizer, contexts: Sequence[Sequence[str]], max_tokens: int) -> Chunks:
-    """Every context as bi-encoder context input."""
-    bodies = tok.context_bodies(contexts)
-    return in_chunks(tok.batch_singles, bodies, [len(b) + 2 for b in bodies], max_tokens)
-
-
-def response_chunks(tok: DialogueTokenizer, lists: Sequence[Sequence[str]], max_tokens: int) -> Chunks:
-    """Every candidate, list after list, as bi-encoder response input."""
-    bodies = tok.response_bodies([t for cands in lists for t in cands])
+def single_chunks(tok: DialogueTokenizer, bodies: Sequence[list[int]], max_tokens: int) -> Chunks:
+    """One-segment rows (contexts, or candidates list after list) as bi-encoder input."""
     return in_chunks(tok.batch_singles, bodies, [len(b) + 2 for b in bodies], max_tokens)
 
 
@@ -345,8 +338,9 @@ class Trainer:
         contexts = [p.context for p in pairs]
         budget = self.cfg.max_batch_tokens
         if self.bi is not None:
-            mb.contexts = context_chunks(self.bi.tokenizer, contexts, budget)
-            mb.responses = response_chunks(self.bi.tokenizer, lists, budget)
+            tok = self.bi.tokenizer
+            mb.contexts = single_chunks(tok, tok.context_bodies(contexts), budget)
+            mb.responses = single_chunks(tok, tok.response_bodies([t for ts in lists for t in ts]), budget)
         if self.cross is not None:
             mb.cross = pair_chunks(self.cross.tokenizer, contexts, lists, budget)
         if self.teacher is not None:
