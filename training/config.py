@@ -51,8 +51,10 @@ HELP = {
     "models": "which models `independent` trains; for `distill`, 'cross' makes the student a (smaller) "
     "cross-encoder, anything else the bi-encoder",
     "teacher": "trained cross-encoder checkpoint that teaches in `distill`",
-    "init_bi": "start the retriever from this checkpoint instead of the base model",
-    "init_cross": "start the reranker from this checkpoint instead of the base model",
+    "init_bi": "start the retriever from this checkpoint instead of the base model (with --lora-rank: an "
+    "adapter checkpoint of that rank, whose adapters train on)",
+    "init_cross": "start the reranker from this checkpoint instead of the base model (with --lora-rank: an "
+    "adapter checkpoint of that rank, whose adapters train on)",
     "lora_rank": "> 0: train low-rank adapters (+ biases, norms, heads) instead of every weight; checkpoints "
     "then hold only those (a few MB) and name the base model by hash",
     "lora_alpha": "LoRA scaling (update = alpha / rank * B A)",
@@ -159,8 +161,6 @@ class TrainConfig:
         if self.valid_candidates < 2:
             n = self.valid_candidates
             raise ValueError(f"valid_candidates (--valid-candidates) must be >= 2, got {n}")
-        if self.lora_rank and (self.init_bi or self.init_cross):
-            raise ValueError("lora_rank adapts the base model; it cannot start from --init-bi/--init-cross")
         chosen = ("hard_negatives", "own_turn_negatives", "paraphrase_negatives")
         if sum(getattr(self, name) for name in chosen) > self.num_negatives:
             raise ValueError(f"{' + '.join(chosen)} cannot exceed num_negatives ({self.num_negatives})")

@@ -30,7 +30,7 @@ from torch import distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from coreply.adapters import add_lora
+from coreply.adapters import add_lora, lora_settings
 from coreply.artifacts import write_json_atomic
 from coreply.checkpoint import load_checkpoint, save_checkpoint
 from coreply.corpus import NegativeSampler, Pair
@@ -258,23 +258,10 @@ class Trainer:
         cfg = self.cfg
         bi = cross = teacher = None
         if cfg.trains_bi:
-            bi = (
-                load_checkpoint(cfg.init_bi, expect="bi")
-                if cfg.init_bi
-                else retriever_class(cfg.model).from_pretrained(cfg.model)
-            )
-            bi = bi.to(self.device).train()
+            bi = self._start("bi", cfg.init_bi, lambda: retriever_class(cfg.model).from_pretrained(cfg.model))
         if cfg.trains_cross:
-            cross = (
-                load_checkpoint(cfg.init_cross, expect="cross")
-                if cfg.init_cross
-                else CrossEncoder.from_pretrained(replace(cfg.model, poly_codes=0))
-            )
-            cross = cross.to(self.device).train()
-        if cfg.lora_rank:
-            for model in (bi, cross):
-                if model is not None:
-                    add_lora(model, cfg.lora_rank, cfg.lora_alpha)
+            plain = replace(cfg.model, poly_codes=0)
+            cross = self._start("cross", cfg.init_cross, lambda: CrossEncoder.from_pretrained(plain))
         if cfg.mode == "distill":
             teacher = load_checkpoint(cfg.teacher, expect="cross").to(self.device).eval()
             teacher.requires_grad_(False)
@@ -283,6 +270,26 @@ class Trainer:
                 if model is not None:
                     model.compile(dynamic=True)
         return bi, cross, teacher  # type: ignore[return-value]
+
+    def _start(self, kind: str, init: str | None, fresh: Callable[[], Any]) -> Any:
+        """A model to train: the base model, or ``init``'s weights. With ``lora_rank`` the adapters train:
+        fresh ones on the base model, or an adapter checkpoint's own (the same rank), never new adapters
+        over merged ones (a checkpoint names its base model by hash, and that base would not be it)."""
+        cfg = self.cfg
+        if not init:
+            model = fresh()
+            if cfg.lora_rank:
+                add_lora(model, cfg.lora_rank, cfg.lora_alpha)
+        else:
+            model = load_checkpoint(init, expect=kind, merge=not cfg.lora_rank)
+            have = lora_settings(model)
+            if cfg.lora_rank and (have is None or have["rank"] != cfg.lora_rank):
+                found = f"rank-{have['rank']} adapters" if have else "plain weights"
+                raise ValueError(
+                    f"--init-{kind} {init}: --lora-rank {cfg.lora_rank} continues an adapter checkpoint of "
+                    f"that rank, and this one holds {found} (pass its rank, or --lora-rank 0)"
+                )
+        return model.to(self.device).train()
 
     def _warm_tokenizers(self, pool: Sequence[str]) -> float:
         """Tokenise every training text once (once for all models that share a tokenizer); steps then

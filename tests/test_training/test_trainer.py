@@ -1,10 +1,12 @@
 import json
 import threading
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
+from coreply.adapters import trainable_state
 from coreply.checkpoint import load_checkpoint
 from coreply.config import ModelConfig
 from coreply.corpus import NegativeSampler
@@ -241,6 +243,29 @@ def test_a_time_budget_plans_the_run_to_end_with_its_last_validation_inside_it(
     assert (tmp_path / "run" / "bi" / "checkpoint.json").is_file()
 
 
+def test_a_lora_run_continues_an_adapter_checkpoints_own_adapters(tmp_path, tiny_model_dir, toy_pairs):
+    """--init-bi with --lora-rank: the checkpoint's adapters train on (the run starts from exactly its
+    weights and ends as another small adapter checkpoint); a plain checkpoint or another rank is refused."""
+    first = config(tmp_path, tiny_model_dir, mode="independent", models="bi", lora_rank=2, max_steps=6,
+                   valid_size=0, output_dir=str(tmp_path / "first"))  # fmt: skip
+    Trainer(first, toy_pairs, toy_pairs[:8], pool_of(toy_pairs)).fit()  # no validation: the last weights
+    saved = trainable_state(load_checkpoint(tmp_path / "first" / "bi", merge=False))
+    assert any(name.endswith("lora_B") and w.abs().sum() > 0 for name, w in saved.items())
+    more = replace(first, output_dir=str(tmp_path / "more"), init_bi=str(tmp_path / "first" / "bi"))
+    trainer = Trainer(more, toy_pairs, toy_pairs[:8], pool_of(toy_pairs))
+    start = trainable_state(trainer.bi)
+    assert start.keys() == saved.keys() and all(torch.equal(start[k], saved[k]) for k in saved)
+    trainer.fit()
+    meta = json.loads((tmp_path / "more" / "bi" / "checkpoint.json").read_text())
+    assert meta["adapter"]["rank"] == 2 and meta["extra"]["train_config"]["init_bi"] == more.init_bi
+    plain = replace(first, output_dir=str(tmp_path / "plain"), lora_rank=0, max_steps=1)
+    Trainer(plain, toy_pairs, toy_pairs[:8], pool_of(toy_pairs)).fit()
+    for init, rank, found in (("first", 4, "rank-2 adapters"), ("plain", 2, "plain weights")):
+        with pytest.raises(ValueError, match=f"--lora-rank {rank} continues .* holds {found}"):
+            bad = replace(more, init_bi=str(tmp_path / init / "bi"), lora_rank=rank)
+            Trainer(bad, toy_pairs, toy_pairs[:8], pool_of(toy_pairs))
+
+
 def test_config_errors():
     with pytest.raises(ValueError, match="needs --teacher"):
         TrainConfig(mode="distill")
@@ -248,8 +273,6 @@ def test_config_errors():
         TrainConfig(num_negatives=2, hard_negatives=3)
     with pytest.raises(ValueError, match="mode must be one of"):
         TrainConfig(mode="adversarial")
-    with pytest.raises(ValueError, match="cannot start from"):
-        TrainConfig(lora_rank=8, init_bi="runs/x/bi")
     with pytest.raises(ValueError, match=r"warmup_ratio \(--warmup-ratio\) must be in \[0, 1\)"):
         TrainConfig(warmup_ratio=1.0)
 
