@@ -583,6 +583,13 @@ def _report_parser(sub) -> None:
     p.add_argument("--runs", nargs="*", default=[], help="training summary.json files for the training table")
     p.add_argument("--scale", default="", help="label for the header (e.g. cpu, gpu)")
     p.add_argument("--curves", default=None, help="PNG of every run's validation hits@1 (needs --runs)")
+    p.add_argument(
+        "--against",
+        default=None,
+        metavar="NAME",
+        help="p of every other run's rows against this eval run's (its --name) rows of the same system "
+        "(default: of the cooperative rows against the best non-cooperative row)",
+    )
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
@@ -595,8 +602,11 @@ def _cmd_report(args: argparse.Namespace) -> int:
             results.append(json.loads(Path(path).read_text()))
         except (OSError, json.JSONDecodeError) as exc:
             raise CliError(f"report: cannot read {path}: {exc}") from exc
+    names = [r.get("meta", {}).get("name") for r in results]
+    if args.against is not None and args.against not in names:
+        raise CliError(f"report: --against {args.against!r} names none of the inputs' runs ({names})")
     runs = {Path(p).parent.name: json.loads(Path(p).read_text()) for p in args.runs}
-    Path(args.out).write_text(render_markdown(results, runs, args.scale))
+    Path(args.out).write_text(render_markdown(results, runs, args.scale, against=args.against))
     if args.curves and args.runs:
         plot_runs({Path(p).parent.name: Path(p).parent / "metrics.jsonl" for p in args.runs}, args.curves)
     if args.plot and merge_sweeps(results):

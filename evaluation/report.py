@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import platform
+import re
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -211,6 +212,17 @@ def _label(path: str | None, kind: str) -> str:
 # ----------------------------------------------------------------------------------------- report
 
 
+def _key(row: dict[str, Any]) -> str:
+    """A table row's identity: its system, and its rerank depth if it has one."""
+    return row["system"] + (f" n_r={row['n_r']}" if "n_r" in row else "")
+
+
+def _role(row: dict[str, Any]) -> str:
+    """What a row measures whichever recipe trained its models: its key without the models' training
+    tags ("Bi-Enc (CORE) + guard" and "Bi-Enc + guard" are both "Bi-Enc + guard")."""
+    return re.sub(r"(-Enc) \([^)]*\)", r"\1", _key(row))
+
+
 def _is_core(system: str) -> bool:
     return "CORE" in system or "mutual" in system
 
@@ -220,8 +232,11 @@ def render_markdown(
     runs: dict[str, dict[str, Any]] | None = None,
     scale: str = "",
     metric_for_p: str = "hits@1",
+    against: str | None = None,
 ) -> str:
-    """Training table, then one table per protocol; p = paired bootstrap vs the best non-cooperative row."""
+    """Training table, then one table per protocol. p = paired bootstrap of each cooperative row against
+    the best non-cooperative row, or with ``against`` (an eval run's name) of every other run's row
+    against that run's row of the same role (:func:`_role`) on the same cases."""
     lines = [f"## Results{f' ({scale} scale)' if scale else ''}", ""]
     metas = [r["meta"] for r in results if "meta" in r]
     if metas:
@@ -281,11 +296,12 @@ def render_markdown(
         # One row per system; the same system from two runs that rank differently (two recipes with
         # one label) keeps both, named by their eval run.
         unique: dict[str, dict[str, Any]] = {}
+        reference = {_role(r): r for run, r in rows if run == against}  # --against: that run's rows
         for run, r in rows:
-            n_r = f" n_r={r['n_r']}" if "n_r" in r else ""
-            if r["system"] + n_r in unique and unique[r["system"] + n_r]["ranks"] != r["ranks"]:
+            paired = reference.get(_role(r)) if run != against else None
+            if _key(r) in unique and unique[_key(r)]["ranks"] != r["ranks"]:
                 r = {**r, "system": f"{r['system']} [{run}]"}
-            unique.setdefault(r["system"] + n_r, r)
+            unique.setdefault(_key(r), {**r, "against": paired} if paired else r)
         sizes = {len(r["ranks"]) for r in unique.values()}
         baselines = [(k, r) for k, r in unique.items() if not _is_core(r["system"])]
         best_key, best = max(
@@ -293,12 +309,15 @@ def render_markdown(
             key=lambda kr: (kr[1]["metrics"][metric_for_p], kr[1]["metrics"]["mrr"]),
             default=(None, None),
         )
-        against = f"the best non-cooperative row (**{best_key}**)" if best_key else "no baseline (none given)"
+        if against:
+            of = f"the row of **{against}** that measures the same thing (its models' recipe aside)"
+        else:
+            of = f"the best non-cooperative row (**{best_key}**)" if best_key else "no baseline (none given)"
         lines += [
             f"### {title}",
             "",
             f"Cases: {', '.join(str(s) for s in sorted(sizes))}. p: one-sided paired bootstrap "
-            f"(10,000 resamples) on {metric_for_p} against {against}.",
+            f"(10,000 resamples) on {metric_for_p} against {of}.",
             "",
         ]
         cols = [f"hits@{k}" for k in KS] + ["mrr"]
@@ -310,8 +329,9 @@ def render_markdown(
         for r in unique.values():
             m = r["metrics"]
             p = ""
-            if best is not None and _is_core(r["system"]) and len(r["ranks"]) == len(best["ranks"]):
-                ours, theirs = per_case(r["ranks"], metric_for_p), per_case(best["ranks"], metric_for_p)
+            other = r.get("against") if against else best if _is_core(r["system"]) else None
+            if other is not None and len(r["ranks"]) == len(other["ranks"]):
+                ours, theirs = per_case(r["ranks"], metric_for_p), per_case(other["ranks"], metric_for_p)
                 p = f"{paired_bootstrap(ours, theirs):.3f}"
             cells = [f"{m[c]:.1f}" for c in cols]
             if protocol == "B":

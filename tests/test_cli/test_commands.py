@@ -134,6 +134,8 @@ def test_train_eval_report_end_to_end(tmp_path, tiny_model_dir, data_file):
     assert f"| {run.name} | 3 of 3 (30 min) |" in text  # the run's steps and its time budget
     assert (tmp_path / "nr.png").stat().st_size > 1000
     assert (tmp_path / "curves.png").stat().st_size > 1000
+    wrong = coreply("report", str(out), "--out", str(md), "--against", "nobody")
+    assert wrong.returncode == 2 and "--against 'nobody' names none of the inputs' runs" in wrong.stderr
 
 
 def test_user_errors_are_one_line_messages_with_exit_code_2(tmp_path, tiny_model_dir):

@@ -122,3 +122,31 @@ def test_report_keeps_two_recipes_with_one_label_apart_and_one_shared_baseline_o
     text = render_markdown([result("shared", [1.0, 3.0]), result("separate", [1.0, 1.0])])
     assert "| Bi-Enc |" in text and "| Bi-Enc [separate] |" in text
     assert text.count("| BM25 |") == 1
+
+
+def test_report_against_a_run_tests_every_other_runs_rows_against_its_row_of_the_same_role():
+    from evaluation.metrics import paired_bootstrap, per_case, summarize
+    from evaluation.report import render_markdown
+
+    def result(name, bi, guarded):  # each run's retriever named by its recipe, as eval labels it
+        model = {"new": "Bi-Enc (hard)", "old": "Bi-Enc (CORE)"}[name]
+        rows = [
+            {"system": model, "metrics": summarize(bi), "ranks": bi},
+            {"system": f"{model} + guard", "metrics": summarize(guarded), "ranks": guarded},
+        ]
+        meta = dict(name=name, date="2026-11-24", machine="cpu", test_pairs=4, pool_size=9)
+        meta |= dict(candidates_protocol_a=4, valid_pairs_for_calibration=0)
+        return {"meta": meta, "B": rows}
+
+    new_bi, old_bi = [1.0, 1.0, 1.0, 2.0], [1.0, 2.0, 3.0, 2.0]
+    new_guarded, old_guarded = [1.0] * 4, [2.0] * 4
+    text = render_markdown(
+        [result("new", new_bi, new_guarded), result("old", old_bi, old_guarded)], against="old"
+    )
+    rows = {line.split(" | ")[0]: line for line in text.splitlines() if line.startswith("| Bi-Enc")}
+    p_bi = paired_bootstrap(per_case(new_bi, "hits@1"), per_case(old_bi, "hits@1"))
+    p_guarded = paired_bootstrap(per_case(new_guarded, "hits@1"), per_case(old_guarded, "hits@1"))
+    assert rows["| Bi-Enc (hard)"].endswith(f"| {p_bi:.3f} |") and p_bi < 0.2
+    assert rows["| Bi-Enc (hard) + guard"].endswith(f"| {p_guarded:.3f} |") and p_guarded < 0.001
+    assert rows["| Bi-Enc (CORE)"].endswith("|  |") and rows["| Bi-Enc (CORE) + guard"].endswith("|  |")
+    assert "against the row of **old** that measures the same thing" in text
