@@ -587,8 +587,8 @@ def _report_parser(sub) -> None:
         "--against",
         default=None,
         metavar="NAME",
-        help="p of every other run's rows against this eval run's (its --name) rows of the same system "
-        "(default: of the cooperative rows against the best non-cooperative row)",
+        help="p of every other run's rows against this eval run's (its --name) row that measures the same "
+        "thing, its models' recipe aside (default: cooperative rows against the best non-cooperative one)",
     )
 
 
