@@ -247,6 +247,33 @@ def test_onnx_matches_torch(tmp_path, tiny_core, toy_pairs):
         assert ((got_q @ backend.encode_responses(pool).T).argmax(1) == want_top).all(), precision
 
 
+def test_int8_keeps_the_small_output_channels_of_a_weight(tmp_path):
+    """The shipped int8 scales each output channel: a channel with 1/1000 of the others' weights keeps
+    its values, where one scale for the whole tensor rounds it to nothing."""
+    import onnxruntime as ort
+
+    from coreply.inference import INT8, quantize_graph
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(32, 4, bias=False)
+    with torch.no_grad():
+        layer.weight[3] *= 1e-3
+    fp32 = tmp_path / "linear.onnx"
+    torch.onnx.export(
+        layer, (torch.randn(2, 32),), str(fp32), input_names=["x"], dynamic_axes={"x": {0: "n"}}, dynamo=False
+    )
+    x = np.random.default_rng(0).normal(size=(64, 32)).astype("float32")
+    want = layer(torch.from_numpy(x)).detach().numpy()[:, 3]
+    error = {}
+    for variant in (INT8, "int8-per-tensor"):
+        quantize_graph(fp32, tmp_path / f"{variant}.onnx", variant)
+        session = ort.InferenceSession(str(tmp_path / f"{variant}.onnx"), providers=["CPUExecutionProvider"])
+        got = session.run(None, {"x": x})[0][:, 3]
+        error[variant] = np.abs(got - want).max() / np.abs(want).max()
+    assert error[INT8] < 0.05
+    assert error["int8-per-tensor"] > 0.5
+
+
 def test_export_traces_eager_attention_and_restores_the_models(tmp_path, tiny_core):
     """The graphs carry plain attention (no SDPA NaN clean-up per layer); the models keep their own."""
     import onnx
