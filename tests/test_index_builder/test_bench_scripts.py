@@ -1,4 +1,4 @@
-"""The serving profilers on the tiny bundle: the CPU smoke runs that keep them working for a GPU lease."""
+"""The benchmark scripts on the tiny models: CPU smoke runs that keep them working (for a GPU lease too)."""
 
 import json
 import subprocess
@@ -38,11 +38,15 @@ def test_rerank_ops_profiles_the_onnx_reranker(tiny_bundle):
     assert "rerank ms per request" in run.stdout and "MatMul" in table
 
 
-def test_profilers_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle):
+def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):
+    other = tmp_path / "other.json"  # a restatement_guard run on another split: nothing to pair with
+    other.write_text(json.dumps({"top1_cases": {}, "meta": {"split": "valid", "pairs": 2000}}))
     for script, args, flag in (
         ("serve_profile.py", ["--bundle", str(tmp_path)], "--bundle: "),
         ("serve_profile.py", ["--bundle", str(tiny_bundle), "--device", "gpu"], "--device: "),
         ("rerank_ops.py", ["--bundle", str(tiny_bundle), "--n-r", "0"], "--n-r"),
+        ("quantisation.py", ["--bi", str(tiny_core / "bi"), "--limit", "20", "--pool", "5"], "--pool: "),
+        ("restatement_guard.py", ["--bundle", str(tiny_bundle), "--against", str(other)], "--against "),
     ):
         run = subprocess.run(
             [sys.executable, str(ROOT / "bench" / script), *args], capture_output=True, text=True
@@ -50,3 +54,15 @@ def test_profilers_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle):
         assert run.returncode != 0 and run.stderr.startswith(flag) and len(run.stderr.splitlines()) == 1, (
             run.stderr
         )
+
+
+def test_quantisation_compares_each_int8_variant_with_fp32(tmp_path, tiny_core):
+    out = tmp_path / "quant.json"
+    bench("quantisation.py", "--bi", str(tiny_core / "bi"), "--limit", "20", "--pool", "60", "--single", "2",
+          "--out", str(out))  # fmt: skip
+    variants = json.loads(out.read_text())["variants"]
+    assert list(variants) == ["fp32", "int8-per-channel", "int8-per-tensor"]
+    assert variants["fp32"]["top1_as_fp32"] == 100.0 and variants["fp32"]["cosine_contexts"] == 1.0
+    for row in variants.values():
+        assert 0 <= row["hits@1"] <= row["hits@10"] <= 100 and 0 < row["cosine_responses"] <= 1.0001
+    assert variants["int8-per-channel"]["megabytes"] < variants["fp32"]["megabytes"]
