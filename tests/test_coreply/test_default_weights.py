@@ -32,9 +32,9 @@ def test_shipped_weights_load_as_a_changed_but_close_relative_of_zero_shot():
     agreement = cosines.diagonal()  # each text against itself
     assert (agreement < 0.9999).all()  # the adapters were applied
     # and kept MiniLM's geometry: each text stays closest to its own zero-shot embedding, at cosine
-    # 0.84-0.90 for the 2,000-step weights (unrelated 384-d unit vectors would give about 0)
+    # 0.76-0.89 for the shipped weights, while different texts sit at 0.09-0.16
     assert (cosines.argmax(dim=1) == torch.arange(len(texts))).all()
-    assert (agreement > 0.8).all()
+    assert (agreement > 0.7).all()
 
 
 def test_default_bundle_is_rebuilt_when_the_shipped_weights_or_the_recipe_change(tmp_path, monkeypatch):
