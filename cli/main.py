@@ -516,7 +516,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from coreply.corpus import responses_of
     from coreply.device import resolve_device
     from coreply.readers import read_pairs, read_pool
-    from evaluation.report import EvalSpec, pool_for_eval, run_eval
+    from evaluation.protocols import pool_for_eval
+    from evaluation.report import EvalSpec, run_eval
 
     if not args.bi and not args.cross and "bm25" not in args.retriever:
         raise CliError("eval: give --bi, --cross or --retriever bm25")

@@ -15,15 +15,16 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import torch
 
-from coreply.corpus import NegativeSampler, Pair
+from coreply.corpus import NegativeSampler, Pair, build_pool
 from coreply.models import BiEncoder, CrossEncoder, PolyEncoder, poly_scores
 from coreply.ranking import ZSCORE_WEIGHT, Candidates, Hits, Pipeline, Query, order, score_lists
 from coreply.text import normalize
-from evaluation.metrics import gold_rank, summarize
+from evaluation.metrics import KS, gold_rank, summarize
 
 log = logging.getLogger(__name__)
 
@@ -207,6 +208,30 @@ def ranks_for(
         hits = [r for r, j in enumerate(ids) if pool_keys[j] == gold]
         ranks.append(float(hits[0] + 1) if hits else float("inf"))
     return ranks
+
+
+def pool_for_eval(
+    all_responses: Sequence[str], test: Sequence[Pair], limit: int | None, seed: int
+) -> list[str]:
+    """The full de-duplicated pool, or (``limit``) the test golds plus a seeded sample of the rest."""
+    pool = build_pool(all_responses)
+    if limit is None or limit >= len(pool):
+        return pool
+    golds = build_pool([p.response for p in test])
+    gold_keys = {normalize(t) for t in golds}
+    rest = [t for t in pool if normalize(t) not in gold_keys]
+    rng = np.random.default_rng([seed, 5])
+    take = rng.choice(len(rest), size=max(0, limit - len(golds)), replace=False)
+    return golds + [rest[i] for i in sorted(take)]
+
+
+def evaluate_pool(pairs: Sequence[Pair], pool: Sequence[str], bi: BiEncoder) -> dict[str, Any]:
+    """Protocol B for the retriever alone over ``pool`` (echo-free, unguarded): {'metrics', 'ranks'}."""
+    keys = [normalize(t) for t in pool]
+    depth = max(KS)
+    got = retrieve_and_rerank(pairs, Pipeline(DenseRetriever(bi, pool), pool, keys), depth, 0)
+    ranks = ranks_for(pairs, keys, got, "retrieval", depth)
+    return {"metrics": summarize(ranks), "ranks": ranks}
 
 
 def choose_zscore_weight(pairs: Sequence[Pair], pool_keys: Sequence[str], got: Retrieved, n_r: int) -> float:

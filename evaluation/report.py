@@ -10,13 +10,12 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-import numpy as np
 import torch
 
 from coreply import restatement
 from coreply.checkpoint import load_bi, load_checkpoint, read_meta
 from coreply.config import ZERO_SHOT
-from coreply.corpus import Pair, build_pool
+from coreply.corpus import Pair
 from coreply.models import PolyEncoder
 from coreply.ranking import ZSCORE_WEIGHT, Pipeline
 from coreply.text import normalize
@@ -277,7 +276,8 @@ def render_markdown(
             "|---|---|---|---|---|---|",
         ]
         for name, r in sorted(runs.items()):
-            best = ", ".join(f"{k} {v:.1f}" for k, v in r.get("best_valid_hits@1", {}).items())
+            rows = r.get("selected_by", {})  # the validation row each best was measured on, where it says
+            best = ", ".join(f"{rows.get(k, k)} {v:.1f}" for k, v in r.get("best_valid_hits@1", {}).items())
             steps = str(r["steps"])
             if r.get("max_minutes"):  # a time budget planned the steps: of how many it could have taken
                 steps += f" of {r['planned_steps']} ({r['max_minutes']:g} min)"
@@ -345,16 +345,3 @@ def render_markdown(
 
 def merge_sweeps(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [s for res in results for s in res.get("sweep", [])]
-
-
-def pool_for_eval(all_responses: list[str], test: list[Pair], limit: int | None, seed: int) -> list[str]:
-    """The full de-duplicated pool, or (``limit``) the test golds plus a seeded sample of the rest."""
-    pool = build_pool(all_responses)
-    if limit is None or limit >= len(pool):
-        return pool
-    golds = build_pool([p.response for p in test])
-    gold_keys = {normalize(t) for t in golds}
-    rest = [t for t in pool if normalize(t) not in gold_keys]
-    rng = np.random.default_rng([seed, 5])
-    take = rng.choice(len(rest), size=max(0, limit - len(golds)), replace=False)
-    return golds + [rest[i] for i in sorted(take)]

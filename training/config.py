@@ -18,7 +18,7 @@ AT_LEAST_ONE = (
 )  # fmt: skip
 NON_NEGATIVE = (
     "lora_rank", "hard_negatives", "own_turn_negatives", "paraphrase_negatives", "max_batch_tokens",
-    "valid_size", "weight_decay", "gamma_r", "gamma_g", "alpha",
+    "valid_size", "valid_pool", "weight_decay", "gamma_r", "gamma_g", "alpha",
 )  # fmt: skip
 POSITIVE = ("lr", "tau", "grad_clip", "lora_alpha", "max_minutes")
 RULES: dict[str, tuple[Callable[[float], bool], str]] = {
@@ -92,6 +92,9 @@ HELP = {
     "valid_size": "validation pairs used (0: none; the last weights are kept)",
     "valid_candidates": "protocol A list size on the validation pairs; capped, with a message, at the "
     "distinct validation responses",
+    "valid_pool": "> 0: also rank each validation context's gold among this many responses (the validation "
+    "golds and a seeded sample of the training pool; protocol B, echoes dropped) and keep the retriever "
+    "with the best hits@1 there, which 1-of-N lists barely see (docs/results.md §15)",
     "patience": "validations without a new best before training stops early",
     "log_every": "steps between lines of metrics.jsonl",
     "device": "'auto' (CUDA when present), 'cpu', 'cuda' or 'cuda:N'",
@@ -140,6 +143,7 @@ class TrainConfig:
     eval_every: int = 200
     valid_size: int = 500
     valid_candidates: int = 100
+    valid_pool: int = 0
     patience: int = 5
     log_every: int = 10
     device: str = "auto"

@@ -38,7 +38,7 @@ from coreply.device import autocast, resolve_device
 from coreply.models import BiEncoder, CrossEncoder, PolyEncoder, poly_scores, retriever_class
 from coreply.text import normalize
 from coreply.tokenization import Batch, DialogueTokenizer, token_budget_chunks
-from evaluation.protocols import evaluate_lists, protocol_a_lists
+from evaluation.protocols import evaluate_lists, evaluate_pool, pool_for_eval, protocol_a_lists
 from training.config import TrainConfig
 from training.losses import kl_to_target, listwise_ce
 from training.sampling import HardNegativeMiner, epoch_order, own_turn_negatives, step_rng
@@ -197,6 +197,7 @@ class Trainer:
             if self.valid_pairs
             else []
         )
+        self.valid_pool = self._valid_pool(config, negative_pool, valid)
         self.out = Path(config.output_dir)
         self.bi, self.cross, self.teacher = self._build_models()
         self.tokenize_seconds = self._warm_tokenizers(negative_pool)
@@ -253,6 +254,29 @@ class Trainer:
         self._mark: tuple[int, float, int] | None = None  # (step, time, validations) after its first step
 
     # ------------------------------------------------------------------------------------ set-up
+
+    def _valid_pool(
+        self, config: TrainConfig, negative_pool: Sequence[str], valid: Sequence[Pair]
+    ) -> list[str]:
+        """The responses ``--valid-pool`` ranks each validation gold among (none without it)."""
+        if not config.valid_pool or not self.valid_pairs:
+            return []
+        if not config.trains_bi:
+            log.warning("--valid-pool ignored: it ranks with the retriever, which this run does not train")
+            return []
+        golds = len({normalize(p.response) for p in self.valid_pairs})
+        if config.valid_pool <= golds:
+            raise ValueError(
+                f"valid_pool (--valid-pool) must exceed the {golds} distinct validation golds it holds, "
+                f"got {config.valid_pool}"
+            )
+        responses = [*negative_pool, *(p.response for p in valid)]
+        pool = pool_for_eval(responses, self.valid_pairs, config.valid_pool, config.seed)
+        if len(pool) < config.valid_pool:
+            log.warning(
+                "--valid-pool %d: there are %d distinct responses, all used", config.valid_pool, len(pool)
+            )
+        return pool
 
     def _build_models(self) -> tuple[BiEncoder | None, CrossEncoder | None, CrossEncoder | None]:
         cfg = self.cfg
@@ -532,6 +556,8 @@ class Trainer:
             if m is not None:
                 m.eval()
         result = evaluate_lists(self.valid_pairs, self.valid_lists, self.bi, self.cross)
+        if self.valid_pool and self.bi is not None:
+            result["bi_pool"] = evaluate_pool(self.valid_pairs, self.valid_pool, self.bi)
         for m in (self.bi, self.cross):
             if m is not None:
                 m.train()
@@ -622,13 +648,19 @@ class Trainer:
             with open(self.out / "metrics.jsonl", "a") as fh:
                 fh.write(json.dumps(record) + "\n")
 
+    def _selected_by(self, name: str, model: torch.nn.Module) -> str:
+        """The validation row whose hits@1 chooses ``name``'s checkpoint."""
+        if isinstance(model, PolyEncoder):
+            return "poly"
+        return "bi_pool" if name == "bi" and self.valid_pool else name
+
     def _after_eval(self, valid: dict[str, dict[str, float]]) -> bool:
         """Save new bests; returns True when training should stop early."""
         improved = False
         for name, model in (("bi", self.bi), ("cross", self.cross)):
             if model is None or name not in valid:
                 continue
-            score = valid["poly" if isinstance(model, PolyEncoder) else name]["hits@1"]
+            score = valid[self._selected_by(name, model)]["hits@1"]
             if score > self.best.get(name, -1.0):
                 self.best[name] = score
                 improved = True
@@ -711,6 +743,11 @@ class Trainer:
             "tokenize_seconds": round(self.tokenize_seconds, 1),
             "tokens": self.token_counts,
             "best_valid_hits@1": self.best,
+            "selected_by": {  # the validation row each best was measured on
+                name: self._selected_by(name, model)
+                for name, model in (("bi", self.bi), ("cross", self.cross))
+                if model is not None
+            },
             "stopped_early": stopped_early,
             "planned_steps": self.planned_steps,
             "max_minutes": cfg.max_minutes,

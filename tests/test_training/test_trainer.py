@@ -205,6 +205,39 @@ def test_early_stopping_after_patience_evaluations_without_a_new_best(tmp_path, 
     assert summary["stopped_early"] and summary["steps"] == 4
 
 
+def test_a_validation_pool_ranks_golds_over_many_responses_and_chooses_the_retriever(
+    tmp_path, tiny_model_dir, toy_pairs
+):
+    pool = [*pool_of(toy_pairs), "ok then", "see you later", "that is funny", "what do you mean ?"]
+    cfg = config(tmp_path, tiny_model_dir, mode="core", valid_pool=10)  # the 8 golds + 2 of the 4 others
+    trainer = Trainer(cfg, toy_pairs, toy_pairs[:8], pool)
+    assert {normalize(p.response) for p in trainer.valid_pairs} < {normalize(t) for t in trainer.valid_pool}
+    assert len(trainer.valid_pool) == 10
+    assert trainer.fit()["selected_by"] == {"bi": "bi_pool", "cross": "cross"}
+    for record in (r for r in records(tmp_path / "run") if "valid" in r):
+        assert record["valid"]["bi_pool"]["n"] == 8 and "bi" in record["valid"]  # both kinds logged
+    # the retriever is chosen by the pool's hits@1, the reranker by its lists'
+    trainer.best = {}
+    trainer._after_eval({"bi": {"hits@1": 90.0}, "bi_pool": {"hits@1": 5.0}, "cross": {"hits@1": 50.0}})
+    assert trainer.best == {"bi": 5.0, "cross": 50.0}
+    trainer._after_eval({"bi": {"hits@1": 10.0}, "bi_pool": {"hits@1": 6.0}, "cross": {"hits@1": 40.0}})
+    assert trainer.best == {"bi": 6.0, "cross": 50.0}
+    saved = json.loads((tmp_path / "run" / "bi" / "checkpoint.json").read_text())["extra"]["valid"]
+    assert saved["bi_pool"]["hits@1"] == 6.0
+
+
+def test_a_validation_pool_that_cannot_rank_is_refused_or_ignored(
+    tmp_path, tiny_model_dir, toy_pairs, caplog
+):
+    with pytest.raises(ValueError, match=r"valid_pool \(--valid-pool\) must exceed the \d+ distinct"):
+        Trainer(config(tmp_path, tiny_model_dir, valid_pool=3), toy_pairs, toy_pairs[:8], pool_of(toy_pairs))
+    with pytest.raises(ValueError, match=r"valid_pool \(--valid-pool\) must be >= 0"):
+        TrainConfig(valid_pool=-1)
+    cfg = config(tmp_path, tiny_model_dir, mode="independent", models="cross", valid_pool=100)
+    assert Trainer(cfg, toy_pairs, toy_pairs[:8], pool_of(toy_pairs)).valid_pool == []  # a reranker alone
+    assert "--valid-pool ignored" in caplog.text
+
+
 def test_steps_within_counts_the_validations_and_keeps_one_for_the_end():
     # from step 2, 1 s a step, 5 s a validation after steps 5, 10, ... and after the last one
     assert steps_within(53, 2, 1.0, 5.0, 5) == 23  # to step 25: 23 s + 5 validations = 48 s; 26 would be 54
