@@ -54,7 +54,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     pool = golds + [rest[i] for i in rng.choice(len(rest), args.pool - len(golds), replace=False)]
     keys = [normalize(t) for t in pool]
-    gold = np.array([keys.index(normalize(p.response)) for p in pairs])
+    position = {key: i for i, key in enumerate(keys)}  # the pool is de-duplicated by normalised text
+    gold = np.array([position[normalize(p.response)] for p in pairs])
     contexts = [p.context for p in pairs]
     queries = [Query(tuple(c)) for c in contexts]  # to drop echoes of a context's turns, as served
 
@@ -101,6 +102,7 @@ def main() -> None:
             print(name, row, flush=True)
     result["meta"] = {
         "bi": args.bi,
+        "bi_hash": bi.content_hash,
         "split": args.split,
         "pairs": len(pairs),
         "pool": len(pool),
