@@ -217,8 +217,18 @@ def quantize_graph(fp32: Path, out: Path, variant: str = INT8) -> None:
     """Write ``fp32``'s graph with int8 weights to ``out``, by one of :data:`INT8_VARIANTS`."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    logging.getLogger().setLevel(max(logging.getLogger().level, logging.ERROR))  # ORT's preprocess hint
-    quantize_dynamic(str(fp32), str(out), weight_type=QuantType.QInt8, **INT8_VARIANTS[variant])
+    # ORT logs a preprocessing hint straight to the root logger: drop that (and only records logged to the
+    # root itself, not those of named loggers) for this call, leaving the process's logging as it was.
+    root = logging.getLogger()
+    root.addFilter(_below_error)
+    try:
+        quantize_dynamic(str(fp32), str(out), weight_type=QuantType.QInt8, **INT8_VARIANTS[variant])
+    finally:
+        root.removeFilter(_below_error)
+
+
+def _below_error(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.ERROR
 
 
 # ------------------------------------------------------------------------------------------ runtime

@@ -1,6 +1,7 @@
 """Bundle format, index builder and ONNX parity."""
 
 import json
+import logging
 import shutil
 
 import numpy as np
@@ -265,8 +266,10 @@ def test_int8_keeps_the_small_output_channels_of_a_weight(tmp_path):
     x = np.random.default_rng(0).normal(size=(64, 32)).astype("float32")
     want = layer(torch.from_numpy(x)).detach().numpy()[:, 3]
     error = {}
+    level = logging.getLogger().level
     for variant in (INT8, "int8-per-tensor"):
         quantize_graph(fp32, tmp_path / f"{variant}.onnx", variant)
+        assert logging.getLogger().level == level and not logging.getLogger().filters  # as it was
         session = ort.InferenceSession(str(tmp_path / f"{variant}.onnx"), providers=["CPUExecutionProvider"])
         got = session.run(None, {"x": x})[0][:, 3]
         error[variant] = np.abs(got - want).max() / np.abs(want).max()
