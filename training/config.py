@@ -52,7 +52,8 @@ HELP = {
     "cross-encoder, anything else the bi-encoder",
     "teacher": "trained cross-encoder checkpoint that teaches in `distill`",
     "init_bi": "start the retriever from this checkpoint instead of the base model (with --lora-rank: an "
-    "adapter checkpoint of that rank, whose adapters train on)",
+    "adapter checkpoint of that rank, whose adapters train on); in a run that trains only the reranker, "
+    "the frozen retriever that mines its hard and paraphrase negatives",
     "init_cross": "start the reranker from this checkpoint instead of the base model (with --lora-rank: an "
     "adapter checkpoint of that rank, whose adapters train on)",
     "lora_rank": "> 0: train low-rank adapters (+ biases, norms, heads) instead of every weight; checkpoints "

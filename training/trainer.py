@@ -231,10 +231,9 @@ class Trainer:
             if mined
             else None
         )
-        if self.miner is not None and self.bi is None:
-            raise ValueError(
-                "hard and paraphrase negatives are mined by the bi-encoder, which this run does not train"
-            )
+        self.mining_bi = self.bi
+        if mined and self.bi is None:
+            self.mining_bi = self._frozen_retriever(config)
         # The miner's refresh (a retriever pass) runs on this thread in _take; the prefetch thread only
         # looks its tables up.
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="prefetch") if config.prefetch else None
@@ -294,6 +293,18 @@ class Trainer:
                 if model is not None:
                     model.compile(dynamic=True)
         return bi, cross, teacher  # type: ignore[return-value]
+
+    def _frozen_retriever(self, cfg: TrainConfig) -> BiEncoder:
+        """A reranker-only run mines its hard and paraphrase negatives with ``--init-bi``'s retriever,
+        frozen: the candidates it will rerank when served behind that retriever."""
+        if not cfg.init_bi:
+            raise ValueError(
+                "hard and paraphrase negatives are mined by a retriever: this run trains none, so name the "
+                "one that mines them with --init-bi"
+            )
+        bi = load_checkpoint(cfg.init_bi, expect="bi").to(self.device).eval()
+        bi.requires_grad_(False)
+        return bi
 
     def _start(self, kind: str, init: str | None, fresh: Callable[[], Any]) -> Any:
         """A model to train: the base model, or ``init``'s weights. With ``lora_rank`` the adapters train:
@@ -355,7 +366,7 @@ class Trainer:
                     for p, cands in zip(pairs, lists, strict=True)
                 ]
                 for cands, mined in zip(
-                    lists, self.miner.mine(self.bi, pairs, rng, count, by, avoid), strict=True
+                    lists, self.miner.mine(self.mining_bi, pairs, rng, count, by, avoid), strict=True
                 ):
                     cands.extend(mined)
         for pair, cands in zip(pairs, lists, strict=True):
@@ -402,7 +413,9 @@ class Trainer:
             p for s in range(self.step, last) for p in self._global_batch(*divmod(s, self.steps_per_epoch))[0]
         ]
         kinds = {"last_turn": self.cfg.paraphrase_negatives, "context": self.cfg.hard_negatives}
-        return self.miner.maybe_refresh(self.bi, self.step, ahead, {k: n for k, n in kinds.items() if n})
+        return self.miner.maybe_refresh(
+            self.mining_bi, self.step, ahead, {k: n for k, n in kinds.items() if n}
+        )
 
     def _take(self, epoch: int, index: int) -> list[MicroBatch]:
         """The prepared step (from the prefetch thread when it guessed right), and start the next."""

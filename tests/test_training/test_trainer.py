@@ -111,6 +111,33 @@ def test_independent_and_distill_modes(tmp_path, tiny_model_dir, toy_pairs):
     assert "bi_kl" in records(tmp_path / "distill")[1]
 
 
+def test_a_reranker_alone_learns_from_negatives_a_frozen_retriever_mines(tmp_path, tiny_model_dir, toy_pairs):
+    """``--models cross --hard-negatives k --init-bi R``: R, frozen, mines the candidates the reranker will
+    rerank behind it; without R the run is refused."""
+    Trainer(
+        config(tmp_path, tiny_model_dir, mode="independent", models="bi"), toy_pairs, [], pool_of(toy_pairs)
+    ).fit()
+    mined = dict(mode="independent", models="cross", hard_negatives=2, hard_refresh=100, hard_top=3)
+    with pytest.raises(ValueError, match="name the one that mines them with --init-bi"):
+        Trainer(config(tmp_path, tiny_model_dir, **mined), toy_pairs, [], pool_of(toy_pairs))
+    cfg = config(
+        tmp_path,
+        tiny_model_dir,
+        init_bi=str(tmp_path / "run" / "bi"),
+        output_dir=str(tmp_path / "x"),
+        **mined,
+    )
+    trainer = Trainer(cfg, toy_pairs, toy_pairs[:8], pool_of(toy_pairs))
+    retriever = trainer.mining_bi
+    assert trainer.bi is None and not any(p.requires_grad for p in retriever.parameters())
+    before = [p.clone() for p in retriever.parameters()]
+    assert trainer._refresh_miner()  # the pool embedded by the frozen retriever
+    assert torch.allclose(trainer.miner.embeddings, retriever.embed_responses(trainer.miner.pool), atol=1e-6)
+    assert all(len(c) == 4 for c in trainer._candidate_lists(toy_pairs[:4], np.random.default_rng(0)))
+    assert set(trainer.fit()["best_valid_hits@1"]) == {"cross"}
+    assert all(torch.equal(a, b) for a, b in zip(before, retriever.parameters(), strict=True))
+
+
 def test_distill_into_a_smaller_cross_encoder(tmp_path, tiny_model_dir, toy_pairs):
     """``--models cross``: a 1-layer reranker learns CE + gamma_G * KL(teacher || student); the teacher
     (the 2-layer reranker trained alone) stays frozen."""
