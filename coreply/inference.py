@@ -20,7 +20,6 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from coreply.device import autocast
 from coreply.knowledge import KnowledgeSelector
 from coreply.models import BiEncoder, CrossEncoder, PolyEncoder, batched
 from coreply.tokenization import Batch, DialogueTokenizer, score_by_tokens
@@ -77,8 +76,14 @@ class TorchBackend(_Knowledge):
     """The models themselves: fp32 on CPU, bf16 autocast on CUDA (the same numerics as training)."""
 
     def __init__(
-        self, bi: BiEncoder, cross: CrossEncoder | None, batch_size: int = 64, max_batch_tokens: int = 4096
+        self,
+        bi: BiEncoder,
+        cross: CrossEncoder | None,
+        batch_size: int | None = None,
+        max_batch_tokens: int | None = None,
     ) -> None:
+        """``batch_size`` contexts (twice as many responses) or ``max_batch_tokens`` padded pair tokens a
+        batch; None: the models' own, sized for their device (:func:`coreply.device.batch_scale`)."""
         self.name = "torch"
         self.bi, self.cross, self.batch_size = bi, cross, batch_size
         self.max_batch_tokens = max_batch_tokens
@@ -88,18 +93,15 @@ class TorchBackend(_Knowledge):
         self.poly_codes = bi.num_codes if isinstance(bi, PolyEncoder) else 0
 
     def encode_contexts(self, contexts: Sequence[Sequence[str]]) -> np.ndarray:
-        with autocast(self.bi.device):
-            return self.bi.embed_contexts(contexts, self.batch_size).numpy()
+        return self.bi.embed_contexts(contexts, self.batch_size).numpy()
 
     def encode_context_codes(self, contexts: Sequence[Sequence[str]]) -> np.ndarray:
         if not isinstance(self.bi, PolyEncoder):
             raise RuntimeError("this bundle's retriever is not a Poly-encoder")
-        with autocast(self.bi.device):
-            return self.bi.embed_context_codes(contexts, self.batch_size).numpy()
+        return self.bi.embed_context_codes(contexts, self.batch_size).numpy()
 
     def encode_responses(self, responses: Sequence[str]) -> np.ndarray:
-        with autocast(self.bi.device):
-            return self.bi.embed_responses(responses, 2 * self.batch_size).numpy()
+        return self.bi.embed_responses(responses, self.batch_size and 2 * self.batch_size).numpy()
 
     def score_pairs(
         self,
@@ -109,8 +111,7 @@ class TorchBackend(_Knowledge):
     ) -> np.ndarray:
         if self.cross is None:
             raise RuntimeError("this bundle has no reranker")
-        with autocast(self.cross.device):
-            return self.cross.score_pairs(contexts, responses, knowledge, self.max_batch_tokens).numpy()
+        return self.cross.score_pairs(contexts, responses, knowledge, self.max_batch_tokens).numpy()
 
 
 # ------------------------------------------------------------------------------------------- export

@@ -23,6 +23,7 @@ from transformers import AutoConfig, AutoModel, AutoTokenizer, PreTrainedModel, 
 from transformers.utils import logging as hf_logging
 
 from coreply.config import ModelConfig
+from coreply.device import autocast, batch_scale
 from coreply.tokenization import Batch, DialogueTokenizer, score_by_tokens
 
 hf_logging.set_verbosity_error()
@@ -192,24 +193,28 @@ class BiEncoder(_Encoder):
         """What training scores a context with: [N, D] here (a Poly-encoder's [N, 1 + m, D])."""
         return self.encode_context(batch)
 
-    def _contexts(self, contexts: Sequence[Sequence[str]], batch_size: int, encode) -> torch.Tensor:
-        with torch.inference_mode():
+    def _contexts(self, contexts: Sequence[Sequence[str]], batch_size: int | None, encode) -> torch.Tensor:
+        size = batch_size or 64 * batch_scale(self.device)
+        with torch.inference_mode(), autocast(self.device):
             return batched(
-                contexts, batch_size, lambda chunk: encode(self.tokenizer.contexts(chunk).to(self.device))
+                contexts, size, lambda chunk: encode(self.tokenizer.contexts(chunk).to(self.device))
             )
 
-    def embed_contexts(self, contexts: Sequence[Sequence[str]], batch_size: int = 64) -> torch.Tensor:
-        """Embed many contexts (float32, on CPU): [N, D]."""
+    def embed_contexts(
+        self, contexts: Sequence[Sequence[str]], batch_size: int | None = None
+    ) -> torch.Tensor:
+        """Embed many contexts (float32, on CPU): [N, D]; ``batch_size`` None: the device's."""
         return self._contexts(contexts, batch_size, self.encode_context)
 
     @torch.inference_mode()
-    def embed_responses(self, responses: Sequence[str], batch_size: int = 128) -> torch.Tensor:
-        """Embed many responses (float32, on CPU): [N, D]."""
-        return batched(
-            responses,
-            batch_size,
-            lambda chunk: self.encode_response(self.tokenizer.responses(chunk).to(self.device)),
-        )
+    def embed_responses(self, responses: Sequence[str], batch_size: int | None = None) -> torch.Tensor:
+        """Embed many responses (float32, on CPU): [N, D]; ``batch_size`` None: the device's."""
+        with autocast(self.device):
+            return batched(
+                responses,
+                batch_size or 128 * batch_scale(self.device),
+                lambda chunk: self.encode_response(self.tokenizer.responses(chunk).to(self.device)),
+            )
 
 
 def poly_scores(codes: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
@@ -260,7 +265,9 @@ class PolyEncoder(BiEncoder):
         """Training scores with both the pooled vector and the codes: [N, 1 + m, D]."""
         return self.encode_context_codes(batch)
 
-    def embed_context_codes(self, contexts: Sequence[Sequence[str]], batch_size: int = 64) -> torch.Tensor:
+    def embed_context_codes(
+        self, contexts: Sequence[Sequence[str]], batch_size: int | None = None
+    ) -> torch.Tensor:
         """Pooled vector and code vectors of many contexts (float32, on CPU): [N, 1 + m, D]."""
         return self._contexts(contexts, batch_size, self.encode_context_codes)
 
@@ -323,13 +330,15 @@ class CrossEncoder(_Encoder):
         contexts: Sequence[Sequence[str]],
         responses: Sequence[str],
         knowledge: Sequence[Sequence[str]] | None = None,
-        max_tokens: int = 4096,
+        max_tokens: int | None = None,
     ) -> torch.Tensor:
         """Score (contexts[i], responses[i]), grounded on ``knowledge[i]`` when given and the model reads
         knowledge, for many pairs (float32, on CPU): [N], in length-sorted chunks of at most
-        ``max_tokens`` padded tokens."""
+        ``max_tokens`` padded tokens (default: 4,096 scaled to the device)."""
         run = lambda batch: self(batch.to(self.device)).float().cpu().numpy()  # noqa: E731
-        scores = score_by_tokens(self.tokenizer, contexts, responses, max_tokens, run, knowledge)
+        budget = max_tokens or 4096 * batch_scale(self.device)
+        with autocast(self.device):
+            scores = score_by_tokens(self.tokenizer, contexts, responses, budget, run, knowledge)
         return torch.from_numpy(scores)
 
 

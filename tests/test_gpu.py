@@ -1,4 +1,5 @@
-"""CUDA-only checks: the same code gives the same scores on CPU and GPU, and a bf16 CORE step runs."""
+"""CUDA-only checks: the same code gives the same scores on CPU (fp32) and GPU (bf16 autocast), and a bf16
+CORE step runs."""
 
 import pytest
 import torch
@@ -26,7 +27,7 @@ def test_cpu_and_cuda_scores_agree(tiny_model_dir):
             cpu = model.score_pairs(contexts, responses)
             model.cuda()
             gpu = model.score_pairs(contexts, responses)
-        assert torch.allclose(cpu, gpu, atol=1e-3, rtol=1e-3)
+        assert torch.allclose(cpu, gpu, atol=2e-2, rtol=2e-2)  # bf16 on the GPU
 
 
 def test_core_step_with_bf16_autocast_on_cuda(tmp_path, tiny_model_dir, toy_pairs):
