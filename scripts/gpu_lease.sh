@@ -27,8 +27,8 @@
 #         project's data packages); the base weights arrive in fp16 and are widened to fp32, and adapters
 #         name their base by its fp16 fingerprint, so weights trained there load here (coreply.checkpoint).
 # speed:S bench/train_speed.py for at most S seconds: contexts/s, tokens/s and MFU of CORE with
-#         SPEED_VARIANTS (default: base, batch 128, torch.compile last, as it may fail; the data path's ablations, mining's
-#         cost and the other modes were measured in the lease of 2026-11-25), then of the other modes.
+#         SPEED_VARIANTS (default: base, batch 128, then torch.compile, which may fail; the data path's
+#         ablations and mining's cost were measured in the lease of 2026-11-25), then the other modes.
 # train   starts the queue (QUEUE's runs, below) in a background session that outlives the call, unless
 #         one is running; a run with a summary.json is skipped, so a fresh machine given runs/lease back
 #         goes on with the rest, and one stopped on this machine resumes (budget included).
@@ -122,7 +122,7 @@ RUNS=(
   # lists do not teach (docs/results.md 17)
   "core-hard|--mode core ${RESTATE[*]} --hard-negatives 4"
   # the reranker a CPU default can afford (docs/performance.md §5: 2 layers x 64 tokens), distilled from
-  # CORE's, in 2 minutes so that it too ends inside calls 1-2; evaluated behind CORE's retriever
+  # CORE's in 2 minutes; evaluated behind CORE's retriever
   "student|--mode distill --models cross --teacher $LEASE/core/cross ${STUDENT[*]} --max-minutes 2"
   "core-plain|--mode core"
   "mutual|--mode mutual ${RESTATE[*]}"
@@ -145,8 +145,8 @@ RUNS=(
 )
 
 # QUEUE picks the runs: "main" (default: the two one lease affords at RUN_MINUTES=7, so the queue ends,
-# and `wait` returns, when they are done), "all", or names ("core-plain mutual ..."). Evaluation covers every run
-# that finished, whichever queue trained it.
+# and `wait` returns, when they are done), "all", or names ("core-plain mutual ..."). Evaluation covers
+# every run that finished, whichever queue trained it.
 case ${QUEUE:-main} in
 main) QUEUE_NAMES="core independent" ;;
 all) QUEUE_NAMES=$(for e in "${RUNS[@]}"; do printf '%s ' "${e%%|*}"; done) ;;
