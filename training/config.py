@@ -77,7 +77,7 @@ HELP = {
     "alpha": "`mutual`: weight of both KL terms",
     "in_batch": "the retriever also ranks the other contexts' candidates of the batch",
     "hard_negatives": "how many of the negatives are mined by the current retriever",
-    "hard_refresh": "steps between re-embeddings of the mining pool",
+    "hard_refresh": "steps between re-embeddings of the mining pool (a frozen --init-bi miner's: once)",
     "hard_pool": "responses sampled for mining",
     "hard_top": "mine among the retriever's top k",
     "own_turn_negatives": "how many negatives are the context's own turns (restatements)",

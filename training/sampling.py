@@ -64,16 +64,23 @@ class HardNegativeMiner:
         return self.embeddings is None or step - self.refreshed_at >= self.refresh_every
 
     def maybe_refresh(
-        self, bi, step: int, ahead: Sequence[Pair] = (), kinds: dict[str, int] | None = None
+        self,
+        bi,
+        step: int,
+        ahead: Sequence[Pair] = (),
+        kinds: dict[str, int] | None = None,
+        frozen: bool = False,
     ) -> bool:
-        """Re-embed the sample when due, and look up the top rows of every pair in ``ahead`` for each
-        ``kinds`` entry (by -> count). Returns whether it refreshed."""
+        """Re-embed the sample when due (a ``frozen`` retriever's only the first time: its vectors cannot
+        change), and look up the top rows of every pair in ``ahead`` for each ``kinds`` entry
+        (by -> count). Returns whether it refreshed."""
         if not self.due(step):
             return False
-        was_training = bi.training
-        bi.eval()
-        self.embeddings = bi.embed_responses(self.pool)
-        bi.train(was_training)
+        if self.embeddings is None or not frozen:
+            was_training = bi.training
+            bi.eval()
+            self.embeddings = bi.embed_responses(self.pool)
+            bi.train(was_training)
         self._rows = {}
         for by, count in (kinds or {}).items():
             self._rows.update(self._search(bi, ahead, by, count))

@@ -404,6 +404,9 @@ def test_hard_negative_miner_takes_the_retrievers_top_candidates_except_the_gold
     assert miner.embeddings is first  # not yet due
     miner.maybe_refresh(bi, step=5)
     assert miner.embeddings is not first
+    second = miner.embeddings  # a frozen retriever's pool is embedded once; its queries are still searched
+    assert miner.maybe_refresh(bi, step=10, ahead=toy_pairs[:2], kinds={"context": 2}, frozen=True)
+    assert miner.embeddings is second and miner.refreshed_at == 10 and len(miner._rows) == 2
 
 
 def test_length_sorted_chunks_score_like_one_padded_batch(tmp_path, tiny_model_dir, toy_pairs):
