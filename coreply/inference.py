@@ -76,16 +76,12 @@ class TorchBackend(_Knowledge):
     """The models themselves: fp32 on CPU, bf16 autocast on CUDA (the same numerics as training)."""
 
     def __init__(
-        self,
-        bi: BiEncoder,
-        cross: CrossEncoder | None,
-        batch_size: int | None = None,
-        max_batch_tokens: int | None = None,
+        self, bi: BiEncoder, cross: CrossEncoder | None, max_batch_tokens: int | None = None
     ) -> None:
-        """``batch_size`` contexts (twice as many responses) or ``max_batch_tokens`` padded pair tokens a
-        batch; None: the models' own, sized for their device (:func:`coreply.device.batch_scale`)."""
+        """Batches are the models' own, sized for their device (:func:`coreply.device.batch_scale`);
+        ``max_batch_tokens`` overrides the reranker's padded tokens a batch."""
         self.name = "torch"
-        self.bi, self.cross, self.batch_size = bi, cross, batch_size
+        self.bi, self.cross = bi, cross
         self.max_batch_tokens = max_batch_tokens
         self.dim = bi.dim
         self.has_cross = cross is not None
@@ -93,15 +89,15 @@ class TorchBackend(_Knowledge):
         self.poly_codes = bi.num_codes if isinstance(bi, PolyEncoder) else 0
 
     def encode_contexts(self, contexts: Sequence[Sequence[str]]) -> np.ndarray:
-        return self.bi.embed_contexts(contexts, self.batch_size).numpy()
+        return self.bi.embed_contexts(contexts).numpy()
 
     def encode_context_codes(self, contexts: Sequence[Sequence[str]]) -> np.ndarray:
         if not isinstance(self.bi, PolyEncoder):
             raise RuntimeError("this bundle's retriever is not a Poly-encoder")
-        return self.bi.embed_context_codes(contexts, self.batch_size).numpy()
+        return self.bi.embed_context_codes(contexts).numpy()
 
     def encode_responses(self, responses: Sequence[str]) -> np.ndarray:
-        return self.bi.embed_responses(responses, self.batch_size and 2 * self.batch_size).numpy()
+        return self.bi.embed_responses(responses).numpy()
 
     def score_pairs(
         self,

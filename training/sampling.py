@@ -69,14 +69,13 @@ class HardNegativeMiner:
         step: int,
         ahead: Sequence[Pair] = (),
         kinds: dict[str, int] | None = None,
-        frozen: bool = False,
     ) -> bool:
-        """Re-embed the sample when due (a ``frozen`` retriever's only the first time: its vectors cannot
-        change), and look up the top rows of every pair in ``ahead`` for each ``kinds`` entry
-        (by -> count). Returns whether it refreshed."""
+        """Re-embed the sample when due (a frozen retriever's, nothing of which trains, only the first
+        time: its vectors cannot change), and look up the top rows of every pair in ``ahead`` for each
+        ``kinds`` entry (by -> count). Returns whether it refreshed."""
         if not self.due(step):
             return False
-        if self.embeddings is None or not frozen:
+        if self.embeddings is None or any(p.requires_grad for p in bi.parameters()):
             was_training = bi.training
             bi.eval()
             self.embeddings = bi.embed_responses(self.pool)

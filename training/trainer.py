@@ -414,11 +414,7 @@ class Trainer:
         ]
         kinds = {"last_turn": self.cfg.paraphrase_negatives, "context": self.cfg.hard_negatives}
         return self.miner.maybe_refresh(
-            self.mining_bi,
-            self.step,
-            ahead,
-            {k: n for k, n in kinds.items() if n},
-            frozen=self.mining_bi is not self.bi,
+            self.mining_bi, self.step, ahead, {k: n for k, n in kinds.items() if n}
         )
 
     def _take(self, epoch: int, index: int) -> list[MicroBatch]:

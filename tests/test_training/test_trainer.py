@@ -405,7 +405,8 @@ def test_hard_negative_miner_takes_the_retrievers_top_candidates_except_the_gold
     miner.maybe_refresh(bi, step=5)
     assert miner.embeddings is not first
     second = miner.embeddings  # a frozen retriever's pool is embedded once; its queries are still searched
-    assert miner.maybe_refresh(bi, step=10, ahead=toy_pairs[:2], kinds={"context": 2}, frozen=True)
+    bi.requires_grad_(False)  # as a reranker-only run's --init-bi retriever
+    assert miner.maybe_refresh(bi, step=10, ahead=toy_pairs[:2], kinds={"context": 2})
     assert miner.embeddings is second and miner.refreshed_at == 10 and len(miner._rows) == 2
 
 
