@@ -102,6 +102,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help="keep the base model's first k layers (default: all)",
     )
     g.add_argument(
+        "--cross-head",
+        choices=["mlp", "match"],
+        default=ModelConfig.cross_head,
+        help="the reranker's score: 'mlp', a new head on the pooled pair; 'match', a learnt scale times the "
+        "cosine of the context's and the response's mean token vectors (ranks from step 0)",
+    )
+    g.add_argument(
         "--poly-codes",
         type=at_least(0),
         default=0,
@@ -125,6 +132,7 @@ def _model_config(args: argparse.Namespace) -> ModelConfig:
         dropout=args.dropout,
         num_layers=args.num_layers,
         poly_codes=args.poly_codes,
+        cross_head=args.cross_head,
     )
 
 

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
 Pooling = Literal["cls", "mean"]
+CrossHead = Literal["mlp", "match"]
 
 ZERO_SHOT = "zero-shot"
 """Model spec meaning all-MiniLM-L6-v2 as published (shared towers, mean pooling, cosine), untrained here."""
@@ -38,6 +39,9 @@ class ModelConfig:
     # a 2-layer reranker on 64-token pairs is about 5x cheaper than 6 layers on 128 (docs/performance.md)
     max_knowledge_tokens: int = 0  # > 0: a cross-encoder that reads knowledge sentences before the
     # context (RecKGC Eq. 3), at most this many tokens of them; 0: it reads none
+    cross_head: CrossHead = "mlp"  # how a cross-encoder reads its score off the joint encoding: "mlp", a
+    # new 2-layer head on the pooled pair (the papers'); "match", a learnt scale times the cosine of the
+    # context segment's and the response segment's mean token vectors, which ranks from step 0
 
     def __post_init__(self) -> None:
         if self.pooling not in ("cls", "mean"):
@@ -52,6 +56,8 @@ class ModelConfig:
             raise ValueError("poly_codes must be >= 0 (0: a plain bi-encoder)")
         if self.max_knowledge_tokens < 0 or 0 < self.max_knowledge_tokens < 3:
             raise ValueError("max_knowledge_tokens must be 0 (no knowledge) or >= 3")
+        if self.cross_head not in ("mlp", "match"):
+            raise ValueError(f"cross_head must be 'mlp' or 'match', got {self.cross_head!r}")
         if self.num_layers is not None and self.num_layers < 1:
             raise ValueError("num_layers must be >= 1 (or None for all of the base model's layers)")
 

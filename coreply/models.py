@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -277,6 +278,31 @@ def retriever_class(config: ModelConfig) -> type[BiEncoder]:
     return PolyEncoder if config.poly_codes else BiEncoder
 
 
+class MatchHead(nn.Module):
+    """A reranker's score read off its joint encoding as ``scale * cos(context mean, response mean)``: the
+    mean token vectors of segment 0 (the context, with [CLS] and its [SEP]) and segment 1 (the response).
+
+    A sentence-embedding backbone read this way ranks before any training (all-MiniLM-L6-v2: the gold
+    first in 44 % of 1-of-10 validation lists, where a new MLP head is at chance, 10 %), so the first
+    gradients on hard lists come from a model that already ranks. The scale is learnt, from 20 (the
+    retrievers' cosine scale), and capped at 100."""
+
+    def __init__(self, scale: float = 20.0) -> None:
+        super().__init__()
+        self.log_scale = nn.Parameter(torch.tensor(math.log(scale)))
+
+    def forward(self, hidden: torch.Tensor, pairs: Batch) -> torch.Tensor:
+        """hidden [N, L, H], pairs' mask and segments [N, L] -> scores [N]."""
+        mask = pairs.attention_mask.unsqueeze(-1).float()  # [N, L, 1]
+        response = pairs.token_type_ids.unsqueeze(-1).float() * mask  # [N, L, 1]
+        context = mask - response
+        hidden = hidden.float()
+        c = (hidden * context).sum(1) / context.sum(1).clamp(min=1.0)  # [N, H]
+        r = (hidden * response).sum(1) / response.sum(1).clamp(min=1.0)  # [N, H]
+        scale = self.log_scale.clamp(max=math.log(100.0)).exp()
+        return scale * nn.functional.cosine_similarity(c, r, dim=-1)
+
+
 class CrossEncoder(_Encoder):
     kind = "cross"
 
@@ -286,12 +312,16 @@ class CrossEncoder(_Encoder):
         super().__init__(config, tokenizer)
         self.backbone = backbone
         hidden = backbone.config.hidden_size
-        self.head = nn.Sequential(
-            nn.Dropout(config.dropout),
-            nn.Linear(hidden, hidden),
-            nn.Tanh(),
-            nn.Dropout(config.dropout),
-            nn.Linear(hidden, 1),
+        self.head: nn.Module = (
+            MatchHead()
+            if config.cross_head == "match"
+            else nn.Sequential(
+                nn.Dropout(config.dropout),
+                nn.Linear(hidden, hidden),
+                nn.Tanh(),
+                nn.Dropout(config.dropout),
+                nn.Linear(hidden, 1),
+            )
         )
 
     @classmethod
@@ -317,7 +347,9 @@ class CrossEncoder(_Encoder):
             input_ids=pairs.input_ids,
             attention_mask=pairs.attention_mask,
             token_type_ids=pairs.token_type_ids,
-        ).last_hidden_state
+        ).last_hidden_state  # [N, L, H]
+        if isinstance(self.head, MatchHead):
+            return self.head(out, pairs)
         return self.head(pool(out, pairs.attention_mask, self.config.pooling)).squeeze(-1)
 
     @property

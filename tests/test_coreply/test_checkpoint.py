@@ -141,3 +141,33 @@ def test_num_layers_keeps_the_first_layers_and_survives_a_round_trip(tmp_path, t
     assert torch.equal(cross_scores(cut), cross_scores(loaded))
     with pytest.raises(ValueError, match="has only 2 layers"):
         CrossEncoder.from_pretrained(ModelConfig(base_model=str(tiny_model_dir), num_layers=3))
+
+
+def test_match_head_scores_the_scaled_cosine_of_its_segment_means_and_round_trips(tmp_path, tiny_model_dir):
+    """``cross_head="match"``: 20 x cos(mean of the context segment, mean of the response segment) of the
+    joint encoding, the same alone as in a padded batch, and kept by a checkpoint."""
+    model = CrossEncoder.from_pretrained(
+        ModelConfig(base_model=str(tiny_model_dir), cross_head="match")
+    ).eval()
+    pairs = model.tokenizer.pairs([CONTEXTS[0]] * 3, RESPONSES)
+    with torch.inference_mode():
+        hidden = model.backbone(
+            input_ids=pairs.input_ids,
+            attention_mask=pairs.attention_mask,
+            token_type_ids=pairs.token_type_ids,
+        ).last_hidden_state  # [3, L, H]
+        got = model(pairs)
+    for i in range(3):
+        kept = pairs.attention_mask[i].bool()
+        segment = pairs.token_type_ids[i][kept]
+        context, response = hidden[i][kept][segment == 0], hidden[i][kept][segment == 1]
+        want = 20 * torch.cosine_similarity(context.mean(0), response.mean(0), dim=0)
+        assert got[i].item() == pytest.approx(want.item(), abs=1e-4)
+        alone = model(model.tokenizer.pairs([CONTEXTS[0]], [RESPONSES[i]]))
+        assert alone.item() == pytest.approx(got[i].item(), abs=1e-4)  # padding does not count
+    save_checkpoint(model, tmp_path / "m")
+    loaded = load_checkpoint(tmp_path / "m")
+    assert loaded.config.cross_head == "match"
+    assert torch.equal(cross_scores(model), cross_scores(loaded))
+    with pytest.raises(ValueError, match="cross_head must be 'mlp' or 'match'"):
+        ModelConfig(cross_head="dot")

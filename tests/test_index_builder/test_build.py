@@ -248,6 +248,28 @@ def test_onnx_matches_torch(tmp_path, tiny_core, toy_pairs):
         assert ((got_q @ backend.encode_responses(pool).T).argmax(1) == want_top).all(), precision
 
 
+def test_a_match_head_reranker_serves_the_same_scores_from_onnx(
+    tmp_path, tiny_core, tiny_model_dir, toy_pairs
+):
+    """The match head (cosine of segment means) traces into the cross graph: fp32 ONNX = PyTorch."""
+    from coreply.checkpoint import save_checkpoint
+    from coreply.config import ModelConfig
+    from coreply.models import CrossEncoder
+
+    cross = CrossEncoder.from_pretrained(ModelConfig(base_model=str(tiny_model_dir), cross_head="match"))
+    save_checkpoint(cross.eval(), tmp_path / "cross")
+    out = tmp_path / "bundle"
+    build_bundle(
+        out, toy_pool(), bi=str(tiny_core / "bi"), cross=str(tmp_path / "cross"), onnx="fp32", progress=False
+    )
+    contexts = [p.context for p in toy_pairs[:4] for _ in range(3)]
+    responses = toy_pool()[:3] * 4
+    onnx, reference = (make_backend(load_bundle(out), kind) for kind in ("onnx", "torch"))
+    np.testing.assert_allclose(
+        onnx.score_pairs(contexts, responses), reference.score_pairs(contexts, responses), atol=1e-4
+    )
+
+
 def test_int8_keeps_the_small_output_channels_of_a_weight(tmp_path):
     """The shipped int8 scales each output channel: a channel with 1/1000 of the others' weights keeps
     its values, where one scale for the whole tensor rounds it to nothing."""

@@ -504,3 +504,31 @@ def test_prefetching_the_next_step_trains_exactly_like_building_it_in_turn(
         runs.append((losses, [p.detach().clone() for p in trainer.cross.parameters()]))
     assert runs[0][0] == runs[1][0]
     assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1], strict=True))
+
+
+def test_a_match_head_reranker_learns_and_keeps_its_scale_trainable_under_adapters(
+    tmp_path, tiny_model_dir, toy_pairs
+):
+    """``cross_head="match"`` trains like the MLP head; with adapters its learnt scale still trains."""
+    from coreply.adapters import add_lora
+    from coreply.models import CrossEncoder
+
+    model = ModelConfig(base_model=str(tiny_model_dir), dropout=0.0, cross_head="match")
+    cfg = config(
+        tmp_path,
+        tiny_model_dir,
+        mode="independent",
+        models="cross",
+        model=model,
+        batch_size=8,
+        max_steps=40,
+        eval_every=20,
+        valid_size=16,
+    )
+    summary = Trainer(cfg, toy_pairs, toy_pairs[:16], pool_of(toy_pairs)).fit()
+    start = records(tmp_path / "run")[0]["valid"]["cross"]["hits@1"]
+    assert summary["best_valid_hits@1"]["cross"] >= start + 20
+    assert load_checkpoint(tmp_path / "run" / "cross").config.cross_head == "match"
+    adapted = CrossEncoder.from_pretrained(model)
+    add_lora(adapted, 4, 8.0)
+    assert "head.log_scale" in trainable_state(adapted)
