@@ -284,7 +284,7 @@ class MatchHead(nn.Module):
 
     A sentence-embedding backbone read this way ranks before any training (all-MiniLM-L6-v2: the gold
     first in 40 % of 1-of-10 validation lists, where a new MLP head is at chance); the MLP head makes
-    that lead up within a few hundred steps (docs/results.md 19). The scale is learnt, from 20 (the
+    that lead up within 50 steps (docs/results.md 19). The scale is learnt, from 20 (the
     retrievers' cosine scale), and capped at 100."""
 
     def __init__(self, scale: float = 20.0) -> None:
