@@ -293,14 +293,30 @@ class MatchHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor, pairs: Batch) -> torch.Tensor:
         """hidden [N, L, H], pairs' mask and segments [N, L] -> scores [N]."""
-        mask = pairs.attention_mask.unsqueeze(-1).float()  # [N, L, 1]
-        response = pairs.token_type_ids.unsqueeze(-1).float() * mask  # [N, L, 1]
-        context = mask - response
+        response = pairs.token_type_ids * pairs.attention_mask  # [N, L]
         hidden = hidden.float()
-        c = (hidden * context).sum(1) / context.sum(1).clamp(min=1.0)  # [N, H]
-        r = (hidden * response).sum(1) / response.sum(1).clamp(min=1.0)  # [N, H]
+        c = pool(hidden, pairs.attention_mask - response, "mean")  # [N, H]
+        r = pool(hidden, response, "mean")  # [N, H]
         scale = self.log_scale.clamp(max=math.log(100.0)).exp()
         return scale * nn.functional.cosine_similarity(c, r, dim=-1)
+
+
+class MLPHead(nn.Sequential):
+    """The papers' reranker head: the pooled pair through Linear-tanh-Linear to one logit."""
+
+    def __init__(self, hidden: int, dropout: float, pooling: str) -> None:
+        super().__init__(
+            nn.Dropout(dropout),
+            nn.Linear(hidden, hidden),
+            nn.Tanh(),
+            nn.Dropout(dropout),
+            nn.Linear(hidden, 1),
+        )
+        self.pooling = pooling
+
+    def forward(self, hidden: torch.Tensor, pairs: Batch) -> torch.Tensor:
+        """hidden [N, L, H], pairs' mask [N, L] -> scores [N]."""
+        return super().forward(pool(hidden, pairs.attention_mask, self.pooling)).squeeze(-1)
 
 
 class CrossEncoder(_Encoder):
@@ -313,15 +329,7 @@ class CrossEncoder(_Encoder):
         self.backbone = backbone
         hidden = backbone.config.hidden_size
         self.head: nn.Module = (
-            MatchHead()
-            if config.cross_head == "match"
-            else nn.Sequential(
-                nn.Dropout(config.dropout),
-                nn.Linear(hidden, hidden),
-                nn.Tanh(),
-                nn.Dropout(config.dropout),
-                nn.Linear(hidden, 1),
-            )
+            MatchHead() if config.cross_head == "match" else MLPHead(hidden, config.dropout, config.pooling)
         )
 
     @classmethod
@@ -348,9 +356,7 @@ class CrossEncoder(_Encoder):
             attention_mask=pairs.attention_mask,
             token_type_ids=pairs.token_type_ids,
         ).last_hidden_state  # [N, L, H]
-        if isinstance(self.head, MatchHead):
-            return self.head(out, pairs)
-        return self.head(pool(out, pairs.attention_mask, self.config.pooling)).squeeze(-1)
+        return self.head(out, pairs)
 
     @property
     def reads_knowledge(self) -> bool:
