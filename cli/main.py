@@ -666,6 +666,14 @@ def _index_parser(sub) -> None:
         help="drop answers as close to a context turn as this quantile of the human replies in --queries "
         f"are (default {DEFAULT_QUANTILE}; 'off': keep them)",
     )
+    b.add_argument(
+        "--prior-pairs",
+        default=None,
+        metavar="FILE",
+        help="pairs file (e.g. the training split) whose contexts measure the response prior, a correction "
+        "for responses close to every context, weighted by hits@1 on --queries; 'none': no prior "
+        "(default: the built-in train split for the chitchat pool, none for a file)",
+    )
     b.add_argument("--factory", default="Flat", help="FAISS factory string, e.g. Flat, IVF1024,Flat, HNSW32")
     b.add_argument("--search-params", default="", help="e.g. nprobe=16 or efSearch=128")
     b.add_argument(
@@ -734,6 +742,12 @@ def _cmd_index(args: argparse.Namespace) -> int:
         (texts, metadata), pairs = read_pool(args.pool), []
     if args.queries:
         pairs = read_pairs(args.queries)
+    if args.prior_pairs not in (None, "none"):
+        prior_pairs = read_pairs(args.prior_pairs)
+    else:
+        prior_pairs = splits["train"] if args.pool == "chitchat" and args.prior_pairs is None else []
+    if prior_pairs and not pairs:
+        print("note: no --queries pairs to weigh the response prior on: the bundle has no prior")
     queries = [p.context for p in pairs[:500]]
     calibration = pairs[: args.calibrate] if args.cross else []
     if args.cross and not calibration:
@@ -759,6 +773,7 @@ def _cmd_index(args: argparse.Namespace) -> int:
         top_m=args.top_m,
         guard_pairs=pairs,
         guard_quantile=args.restatement_quantile,
+        prior_pairs=prior_pairs,
     )
     info, dropped = manifest["index"], manifest["build"]["dropped_duplicates_or_blank"]
     if dropped:

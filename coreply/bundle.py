@@ -15,6 +15,8 @@ Layout::
                       the top-m sentences for it (run on PyTorch; its pick is ``manifest.knowledge.top_m``)
     knowledge.json    optional: {"sentences": [...]}, the default knowledge (a persona, an operator's
                       facts) used when a request brings none
+    prior.npy         optional: the response prior (float32, one value per response; its weight is
+                      ``manifest.prior.alpha``), subtracted from retrieval scores (:mod:`coreply.prior`)
 
 A bundle is written to a temporary directory and renamed into place, and is verified on load: every
 file's sha256, the index dimension and count, the response count and the model hashes must agree with
@@ -35,6 +37,7 @@ import numpy as np
 
 from coreply.artifacts import read_sealed, seal
 from coreply.checkpoint import CheckpointError, read_meta
+from coreply.prior import DEPTH, Prior
 from coreply.ranking import ZSCORE_WEIGHT, Hits, Pipeline
 from coreply.restatement import Guard
 from coreply.text import normalize
@@ -45,6 +48,7 @@ INDEX = "index.faiss"
 RESPONSES = "responses.jsonl"
 TOKENS = "tokens"
 KNOWLEDGE = "knowledge.json"
+PRIOR = "prior.npy"
 
 
 class BundleError(ValueError):
@@ -125,6 +129,7 @@ class Bundle:
     tokens: tuple[np.ndarray, np.ndarray] | None = None  # the reranker's response ids, offsets
     metadata: list[dict[str, Any]] = field(default_factory=list)  # per id; {} where none was given
     knowledge: list[str] = field(default_factory=list)  # the default knowledge sentences
+    prior: Prior | None = None
 
     @property
     def version(self) -> str:
@@ -192,7 +197,14 @@ def load_bundle(path: str | Path, verify: bool = True) -> Bundle:
     apply_search_params(index, info.get("search_params", ""))
     tokens = read_tokens(root, len(texts))
     knowledge = read_knowledge(root)
-    return Bundle(root, manifest, index, texts, [normalize(t) for t in texts], tokens, metadata, knowledge)
+    prior = None
+    if manifest.get("prior"):
+        values = np.load(root / PRIOR, allow_pickle=False)
+        ok = values.shape == (len(texts),) and values.dtype == np.float32 and bool(np.isfinite(values).all())
+        _check(ok, root, f"{PRIOR} must hold one finite float32 per response ({len(texts)})")
+        prior = Prior(float(manifest["prior"]["alpha"]), values)
+    keys = [normalize(t) for t in texts]
+    return Bundle(root, manifest, index, texts, keys, tokens, metadata, knowledge, prior)
 
 
 def write_knowledge(root: Path, sentences: Sequence[str]) -> None:
@@ -287,13 +299,15 @@ def make_backend(bundle: Bundle, backend: str = "auto", threads: int = 1, device
 
 class IndexRetriever:
     """:class:`coreply.ranking.Retriever` over a bundle: encode the contexts with a backend, search the
-    index. ``timings`` holds the last call's seconds per stage (the service reports them). With a
-    Poly-encoder backend the hits carry its context codes. :meth:`vectors` reads candidates' response
+    index (with a ``prior``: at least :data:`~coreply.prior.DEPTH` hits, rescored). ``timings`` holds the
+    last call's seconds per stage (the service reports them). With a Poly-encoder backend the hits carry
+    its context codes. :meth:`vectors` reads candidates' response
     vectors back from the index (the poly stage's cache; the restatement guard compares them with
     :meth:`encode_responses` of the context turns)."""
 
-    def __init__(self, backend: Any, index: Any) -> None:
+    def __init__(self, backend: Any, index: Any, prior: Prior | None = None) -> None:
         self.backend, self.index = backend, index
+        self.prior = prior if prior is not None and prior.alpha else None
         self.timings: dict[str, float] = {}
 
     def __call__(self, contexts: Sequence[Sequence[str]], k: int) -> Hits:
@@ -306,7 +320,11 @@ class IndexRetriever:
             queries = self.backend.encode_contexts(contexts)  # [B, D]
         encoded = time.perf_counter()
         queries = np.ascontiguousarray(queries, dtype="float32")
-        scores, ids = self.index.search(queries, min(k, self.index.ntotal))  # [B, k] x2
+        if self.prior is None:
+            scores, ids = self.index.search(queries, min(k, self.index.ntotal))  # [B, k] x2
+        else:
+            scores, ids = self.index.search(queries, min(max(k, DEPTH), self.index.ntotal))  # [B, n] x2
+            scores, ids = self.prior.rescore(scores, ids, k)  # [B, k] x2
         self.timings = {"encode": encoded - start, "search": time.perf_counter() - encoded}
         return Hits(ids, scores, codes)
 
@@ -346,7 +364,7 @@ def pipeline(bundle: Bundle, backend: Any, index: Any = None) -> Pipeline:
     index = bundle.index if index is None else index
     if guard or (backend.poly_codes and not backend.has_cross):
         _readable(index, bundle.root)
-    retrieve = IndexRetriever(backend, index)
+    retrieve = IndexRetriever(backend, index, bundle.prior)
     score = backend.score_pairs if backend.has_cross else None
     return Pipeline(
         retrieve,

@@ -16,11 +16,12 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from coreply import restatement
+from coreply import prior, restatement
 from coreply.artifacts import link_or_copy, staging
 from coreply.bundle import (
     INDEX,
     MANIFEST,
+    PRIOR,
     RESPONSES,
     TOKENS,
     Bundle,
@@ -39,6 +40,7 @@ from coreply.corpus import Pair, distinct
 from coreply.device import resolve_device
 from coreply.inference import Backend, export_onnx
 from coreply.knowledge import trained_top_m
+from coreply.prior import Prior
 from coreply.ranking import Pipeline
 from coreply.text import normalize
 from coreply.tokenization import flat_pieces
@@ -49,20 +51,62 @@ ONNX_CHOICES = ("int8", "fp32", "none")
 
 
 def encode_pool(
-    backend: Backend, texts: Sequence[str], chunk: int = 1024, progress: bool = True
+    backend: Backend, texts: Sequence[str], chunk: int = 1024, progress: bool = True, contexts: bool = False
 ) -> np.ndarray:
-    """texts -> [N, D] float32, in chunks of similar length (padding is most of the cost on short
-    responses), with a progress bar showing responses/s and the ETA."""
-    order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+    """texts (or, with ``contexts``, contexts as turn lists) -> [N, D] float32, in chunks of similar
+    length (padding is most of the cost on short texts), with a progress bar showing rate and ETA."""
+    size = (lambda i: sum(map(len, texts[i]))) if contexts else (lambda i: len(texts[i]))
+    encode = backend.encode_contexts if contexts else backend.encode_responses
+    order = sorted(range(len(texts)), key=size)
     out = np.empty((len(texts), backend.dim), dtype="float32")
-    with tqdm(
-        total=len(texts), unit="resp", desc="encoding pool", disable=not progress, smoothing=0.1
-    ) as bar:
+    desc = "encoding reference contexts" if contexts else "encoding pool"
+    with tqdm(total=len(texts), unit="text", desc=desc, disable=not progress, smoothing=0.1) as bar:
         for start in range(0, len(order), chunk):
             rows = order[start : start + chunk]
-            out[rows] = backend.encode_responses([texts[i] for i in rows])
+            out[rows] = encode([texts[i] for i in rows])
             bar.update(len(rows))
     return out
+
+
+def response_prior(
+    backend: Backend,
+    index: Any,
+    vectors: np.ndarray,
+    keys: Sequence[str],
+    reference_pairs: Sequence[Pair],
+    held_out: Sequence[Pair],
+    progress: bool = True,
+) -> tuple[Prior, dict[str, Any]]:
+    """The response prior (:mod:`coreply.prior`) of a pool: rho over a sample of ``reference_pairs``'
+    contexts (each response's own conversations masked), and its weight chosen by hits@1 on the first
+    :data:`~coreply.prior.HELD_OUT` of ``held_out`` whose replies are in the pool, searched as the
+    retriever serves them (echoes of a context turn removed). Returns it and its manifest entry."""
+    reference = prior.reference_sample(reference_pairs)
+    contexts = encode_pool(backend, [p.context for p in reference], progress=progress, contexts=True)
+    values = prior.neighbourhood(
+        vectors, contexts, masked=prior.own_conversations(keys, reference, reference_pairs)
+    )
+    where = {key: i for i, key in enumerate(keys)}
+    pairs = [p for p in held_out if normalize(p.response) in where][: prior.HELD_OUT]
+    if not pairs:
+        raise ValueError("the response prior needs held-out pairs whose replies are in the pool")
+    depth = min(prior.DEPTH + max(len(p.context) for p in pairs), index.ntotal)
+    scores, ids = index.search(
+        encode_pool(backend, [p.context for p in pairs], progress=False, contexts=True), depth
+    )
+    for row, pair in enumerate(pairs):  # the echo filter, as Query.keep applies it
+        echoes = [where[k] for k in {normalize(t) for t in pair.context} if k in where]
+        ids[row, np.isin(ids[row], echoes)] = -1
+    gold = np.array([where[normalize(p.response)] for p in pairs])
+    alpha, hits = prior.choose_alpha(values, scores, ids, gold)
+    entry = {
+        "alpha": alpha,
+        "k": min(prior.K, len(reference)),
+        "reference_contexts": len(reference),
+        "chosen_on": f"{len(pairs)} held-out pairs, hits@1 of retrieval (echoes removed) per alpha",
+        "hits@1": hits,
+    }
+    return Prior(alpha, values), entry
 
 
 def _place_model(spec: str, kind: str, dest: Path, device: str):
@@ -120,6 +164,7 @@ def build_bundle(
     top_m: int | None = None,
     guard_pairs: Sequence[Pair] = (),
     guard_quantile: float | None = restatement.DEFAULT_QUANTILE,
+    prior_pairs: Sequence[Pair] = (),
 ) -> dict[str, Any]:
     """Encode ``texts`` (normalised duplicates dropped, first spelling kept, ids in order) and write a
     bundle to ``out`` atomically. ``queries`` (contexts) measure the index's recall against exact search;
@@ -128,7 +173,9 @@ def build_bundle(
     what built the bundle. A reranker that reads knowledge may come with ``knowledge_retriever`` (picks
     the ``top_m`` sentences it reads, default: as many as it was trained with; without one it reads them as
     given) and a default ``knowledge`` set for requests that bring none. ``guard_pairs`` (held-out
-    pairs) calibrate the restatement guard at ``guard_quantile`` (None, or no pairs: no guard)."""
+    pairs) calibrate the restatement guard at ``guard_quantile`` (None, or no pairs: no guard).
+    ``prior_pairs`` (e.g. the training split) give the response prior its reference contexts, and
+    ``guard_pairs`` choose its weight (none of either: no prior)."""
     if onnx not in ONNX_CHOICES:
         raise ValueError(f"--onnx must be one of {ONNX_CHOICES}, got {onnx!r}")
     if top_m is not None and top_m < 1:
@@ -190,6 +237,11 @@ def build_bundle(
             manifest["restatement"] = restatement.calibrate(
                 backend.encode_responses, guard_pairs, guard_quantile
             )
+        if prior_pairs and guard_pairs:
+            bundle.prior, manifest["prior"] = response_prior(
+                backend, index, vectors, bundle.keys, prior_pairs, guard_pairs, progress
+            )
+            np.save(tmp / PRIOR, bundle.prior.values)
         ranking = pipeline(bundle, backend, index)
         if ranking.reranker is not None and calibration:
             manifest["fusion"] = calibrate_zscore(ranking, calibration)
@@ -228,8 +280,9 @@ def add_responses(
     path: str | Path, texts: Sequence[str], progress: bool = True, metadata: Sequence[dict[str, Any]] = ()
 ) -> dict[str, Any]:
     """Append new responses (and their ``metadata``, if given) to a bundle without re-encoding the others.
-    Texts already in the pool (by normalised form) are skipped; new ids continue after the last one. The
-    bundle is rewritten atomically."""
+    Texts already in the pool (by normalised form) are skipped; new ids continue after the last one; with
+    a response prior, new responses get its median (its reference contexts are not kept). The bundle is
+    rewritten atomically."""
     root = Path(path)
     bundle = load_bundle(root)
     known = set(bundle.keys)
@@ -253,9 +306,16 @@ def add_responses(
 
     with staging(root) as tmp:
         for name in bundle.manifest["files"]:
-            if name not in (INDEX, RESPONSES, MANIFEST) and not name.startswith(f"{TOKENS}/"):
+            if name not in (INDEX, RESPONSES, MANIFEST, PRIOR) and not name.startswith(f"{TOKENS}/"):
                 link_or_copy(root / name, tmp / name)
         faiss.write_index(bundle.index, str(tmp / INDEX))
+        if bundle.prior is not None:  # the reference contexts are not kept: new responses get the median
+            fill = np.full(len(new), np.median(bundle.prior.values), dtype=np.float32)
+            np.save(tmp / PRIOR, np.concatenate([bundle.prior.values, fill]))
+            manifest["prior"] = {
+                **manifest["prior"],
+                "added_at_median": manifest["prior"].get("added_at_median", 0) + len(new),
+            }
         extra = [*bundle.metadata, *([metadata[i] for i in keep] if metadata else [{}] * len(new))]
         write_responses(tmp / RESPONSES, [*bundle.texts, *new], extra if any(extra) else [])
         if bundle.tokens is not None:  # the stored ids, then the new responses'

@@ -38,7 +38,7 @@ def describe(path: str | Path) -> list[tuple[str, str]]:
     build, index = m["build"], m["index"]
     added = sum(a["added"] for a in m.get("additions", []))
     recall = ", ".join(f"{k} {v}" for k, v in index["recall_vs_exact"].items()) or "not measured"
-    fusion, guard = m.get("fusion"), m.get("restatement")
+    fusion, guard, prior = m.get("fusion"), m.get("restatement"), m.get("prior")
     sizes = {name: _size(root / name) for name in sorted({f.split("/")[0] for f in m["files"]})}
     lines = [
         ("bundle", f"{root} (version {m['bundle_version']}, {m['format']}, built {build['created']})"),
@@ -67,6 +67,14 @@ def describe(path: str | Path) -> list[tuple[str, str]]:
             f"replies ({guard['calibrated_on']}, {100 * guard['human_replies_dropped']:.2f} % dropped)"
             if guard
             else "none (restatements of the context are not dropped)",
+        ),
+        (
+            "prior",
+            f"retrieval scores less {prior['alpha']} x each response's mean score against its "
+            f"{prior['k']} closest of {prior['reference_contexts']:,} reference contexts "
+            f"({prior['chosen_on']}: {prior['hits@1']})"
+            if prior
+            else "none",
         ),
         ("encoder", f"{m['encoder']}; built on {build['host']} in {build['total_seconds']} s"),
         (

@@ -78,6 +78,7 @@ def build_router(settings: Settings, request_model: type) -> APIRouter:
             "backend": engine.backend.name,
             "reranker": engine.pipeline.reranker,
             "restatement_guard": engine.bundle.manifest.get("restatement"),
+            "response_prior": engine.bundle.manifest.get("prior"),
             "knowledge": {
                 "reads": engine.pipeline.reads_knowledge,
                 "retriever": engine.pipeline.select_knowledge is not None,

@@ -52,6 +52,7 @@ def own_data(tmp_path, toy_pairs):
         (["eval", "--bi", "zero-shot", "--out", "e.json", "--limit", "-3"], "argument --limit: must be >= 0"),
         (["eval", "--bi", "zero-shot", "--out", "e.json", "--candidates", "1"], "--candidates: must be >= 2"),
         (["index", "build", "-o", "R", "--calibrate", "-1"], "argument --calibrate: must be >= 0"),
+        (["index", "build", "-o", "R", "--prior-pairs", "gone.jsonl"], "gone.jsonl: no such file"),
     ],
 )
 def test_nonsense_values_are_refused_in_one_line_naming_the_flag(capsys, tmp_path, monkeypatch, argv, says):
@@ -132,10 +133,11 @@ def test_own_data_end_to_end_pool_metadata_eval_and_info(capsys, caplog, tmp_pat
     code, out, err = run(
         capsys, "index", "build", "-o", str(bundle), "--bi", str(tiny_core / "bi"),
         "--cross", str(tiny_core / "cross"), "--pool", str(pool), "--queries", str(pairs),
-        "--calibrate", "16", "--onnx", "none",
+        "--calibrate", "16", "--onnx", "none", "--prior-pairs", str(pairs),
     )  # fmt: skip
     assert code == 0, err
     manifest = json.loads((bundle / "manifest.json").read_text())
+    assert manifest["prior"]["reference_contexts"] == 48 and "prior.npy" in manifest["files"]
     assert manifest["fusion"]["calibrated_on"].startswith("16 held-out pairs")
     assert manifest["build"]["command"].startswith("coreply index build -o")
 

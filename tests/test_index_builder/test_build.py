@@ -410,3 +410,75 @@ def test_the_restatement_guard_is_calibrated_at_build_and_drops_exactly_what_rea
     assert RESTATED in restating and len(restating) < len(texts)  # the guard is not vacuous, nor total
     guarded = bot.respond(context, 13 - len(restating), 13, "retrieval")
     assert [r.text for r in guarded] == [t for t in texts if t not in restating]
+
+
+@pytest.fixture
+def prior_bundle(tmp_path, tiny_core, toy_pairs):
+    """The tiny retriever over the toy pool with a response prior: reference contexts from the first 24
+    pairs, its weight chosen on the rest."""
+    path = tmp_path / "prior"
+    build_bundle(
+        path,
+        toy_pool(),
+        bi=str(tiny_core / "bi"),
+        onnx="none",
+        progress=False,
+        guard_pairs=toy_pairs[24:],
+        guard_quantile=None,
+        prior_pairs=toy_pairs[:24],
+    )
+    return path
+
+
+def test_a_response_prior_is_measured_stored_and_served(prior_bundle, toy_pairs):
+    from coreply.bundle import IndexRetriever
+    from coreply.prior import ALPHAS, Prior, neighbourhood, own_conversations
+
+    bundle = load_bundle(prior_bundle)
+    entry = bundle.manifest["prior"]
+    assert "prior.npy" in bundle.manifest["files"] and entry["reference_contexts"] == 24
+    assert set(entry["hits@1"]) == {f"{a:g}" for a in ALPHAS} and entry["alpha"] in ALPHAS
+    assert bundle.prior is not None and bundle.prior.alpha == entry["alpha"]
+    from index_builder.info import describe
+
+    assert (
+        f"less {entry['alpha']} x each response's mean score against its 24 closest of 24"
+        in dict(describe(prior_bundle))["prior"]
+    )
+    backend = make_backend(bundle)
+    vectors = bundle.index.reconstruct_n(0, bundle.index.ntotal)
+    contexts = backend.encode_contexts([p.context for p in toy_pairs[:24]])
+    masked = own_conversations(bundle.keys, toy_pairs[:24], toy_pairs[:24])
+    assert masked  # "hello" opens every toy context and is in the pool
+    np.testing.assert_allclose(
+        bundle.prior.values, neighbourhood(vectors, contexts, masked=masked), rtol=1e-5
+    )
+    # served: the retriever's hits are the whole pool's scores less the prior, best first
+    prior = Prior(1.0, bundle.prior.values)
+    hits = IndexRetriever(backend, bundle.index, prior)([p.context for p in toy_pairs[24:30]], 5)
+    queries = backend.encode_contexts([p.context for p in toy_pairs[24:30]])
+    expected = queries @ vectors.T - bundle.prior.values[None, :]  # [6, N]
+    np.testing.assert_allclose(hits.scores, -np.sort(-expected, axis=1)[:, :5], rtol=1e-5)
+    assert hits.ids.shape == (6, 5)
+
+
+def test_added_responses_get_the_median_prior_and_a_bad_prior_file_is_refused(tmp_path, prior_bundle):
+    from coreply.bundle import PRIOR, finish
+
+    before = load_bundle(prior_bundle)
+    manifest = add_responses(prior_bundle, ["a brand new reply", "another new one"], False)
+    after = load_bundle(prior_bundle)
+    np.testing.assert_array_equal(after.prior.values[: len(before.texts)], before.prior.values)
+    np.testing.assert_array_equal(after.prior.values[-2:], [np.median(before.prior.values)] * 2)
+    assert manifest["prior"]["added_at_median"] == 2
+    work = tmp_path / "work"
+    shutil.copytree(prior_bundle, work)
+    np.save(work / PRIOR, after.prior.values[:-1])  # one value short
+    (work / MANIFEST).unlink()
+    finish(
+        work,
+        tmp_path / "resealed",
+        {k: v for k, v in manifest.items() if k not in ("files", "bundle_version")},
+    )
+    with pytest.raises(BundleError, match=r"prior\.npy must hold one finite float32 per response \(15\)"):
+        load_bundle(tmp_path / "resealed")

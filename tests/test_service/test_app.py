@@ -112,6 +112,7 @@ def test_the_service_guards_against_restatements_like_the_library_unless_a_reque
     with TestClient(create_app(Settings(bundle=guarded_bundle, threads=1, backend="torch", **LIMITS))) as c:
         ready = c.get("/readyz").json()
         assert ready["restatement_guard"] == load_bundle(guarded_bundle).manifest["restatement"]
+        assert ready["response_prior"] is None  # built without one
         for allow in (False, True):
             got = post(
                 c, context=context, top_k=5, n_candidates=8, fusion="retrieval", allow_restatements=allow
