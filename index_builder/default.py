@@ -5,7 +5,8 @@ Recipe: the bi-encoder in ``coreply/weights/default-bi`` (low-rank adapters over
 scaled cosine, one shared tower, trained with in-batch negatives; provenance and measured metrics in its
 ``checkpoint.json`` and in ``coreply/weights/README.md``) as the retriever over every distinct response
 of the chitchat corpus (124,141), int8 ONNX (one scale per output channel), exact inner-product
-search, and the restatement guard calibrated on the validation split (:mod:`coreply.restatement`). No
+search, the restatement guard calibrated on the validation split (:mod:`coreply.restatement`), and the
+response prior measured on 20,000 training contexts, weighted by validation hits@1 (:mod:`coreply.prior`). No
 reranker yet: none trained so far beats the retriever (docs/results.md §7–8). A reranker that earns its
 place is shipped as ``coreply/weights/default-cross``; when that checkpoint exists the default reranks the
 retriever's candidates with it, fused by the z-score weight calibrated on validation pairs, and an
@@ -20,7 +21,7 @@ from typing import Any
 import coreply
 
 RECALL_QUERIES = 500
-RECIPE = "default bundle, recipe 3 (restatement guard, per-channel int8)"
+RECIPE = "default bundle, recipe 4 (restatement guard, per-channel int8, response prior)"
 """Recorded as the bundle's build command; a default bundle built by another recipe is rebuilt."""
 DEFAULT_BI = Path(coreply.__file__).parent / "weights" / "default-bi"
 DEFAULT_CROSS = Path(coreply.__file__).parent / "weights" / "default-cross"
@@ -50,6 +51,7 @@ def build_default_bundle(out: str | Path, progress: bool = True) -> dict[str, An
         progress=progress,
         command=RECIPE,
         guard_pairs=splits["valid"],
+        prior_pairs=splits["train"],
     )
 
 

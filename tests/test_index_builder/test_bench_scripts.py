@@ -66,3 +66,15 @@ def test_quantisation_compares_each_int8_variant_with_fp32(tmp_path, tiny_core):
     for row in variants.values():
         assert 0 <= row["hits@1"] <= row["hits@10"] <= 100 and 0 < row["cosine_responses"] <= 1.0001
     assert variants["int8-per-channel"]["megabytes"] < variants["fp32"]["megabytes"]
+
+
+def test_response_prior_sweep_measures_every_setting_against_no_prior(tmp_path, tiny_bundle):
+    out = tmp_path / "sweep.json"
+    bench("response_prior.py", "--bundle", str(tiny_bundle), "--limit", "20", "--reference", "100",
+          "--ks", "5", "--alphas", "0.5", "1", "--out", str(out))  # fmt: skip
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["mask"], r["k"], r["alpha"]) for r in rows] == [
+        (None, None, 0.0), (True, 5, 0.5), (True, 5, 1.0), (False, 5, 0.5), (False, 5, 1.0)
+    ]  # fmt: skip
+    assert rows[0]["valid_p"] == 1.0  # no better than itself
+    assert all(0 <= r["test_hits@1"] <= r["test_hits@10"] <= 100 for r in rows)
