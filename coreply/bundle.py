@@ -301,9 +301,9 @@ class IndexRetriever:
     """:class:`coreply.ranking.Retriever` over a bundle: encode the contexts with a backend, search the
     index (with a ``prior``: at least :data:`~coreply.prior.DEPTH` hits, rescored). ``timings`` holds the
     last call's seconds per stage (the service reports them). With a Poly-encoder backend the hits carry
-    its context codes. :meth:`vectors` reads candidates' response
-    vectors back from the index (the poly stage's cache; the restatement guard compares them with
-    :meth:`encode_responses` of the context turns)."""
+    its context codes. :meth:`vectors` reads candidates' response vectors back from the index (the poly
+    stage's cache; the restatement guard compares them with :meth:`encode_responses` of the context
+    turns)."""
 
     def __init__(self, backend: Any, index: Any, prior: Prior | None = None) -> None:
         self.backend, self.index = backend, index
