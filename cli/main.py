@@ -515,6 +515,14 @@ def _eval_parser(sub) -> None:
         help="protocol B with the bi-encoder also recalls through the restatement guard that a bundle "
         "serves, calibrated on the validation pairs at this quantile ('off': without it)",
     )
+    p.add_argument(
+        "--prior-pairs",
+        default=None,
+        metavar="FILE",
+        help="pairs file whose contexts measure the response prior a bundle serves (its weight chosen on "
+        "the validation pairs), added to protocol B's bi-encoder recall; 'none': without it (default: "
+        "the built-in train split for --data chitchat, none for a file)",
+    )
     p.add_argument("--out", required=True, help="JSON file to write")
 
 
@@ -542,6 +550,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         cases = read_pairs(args.data)
         splits = {"test": cases}
     valid = read_pairs(args.valid_data) if args.valid_data else splits.get("valid", [])
+    if args.prior_pairs not in (None, "none"):
+        prior_pairs = read_pairs(args.prior_pairs)
+    else:
+        prior_pairs = splits["train"] if args.data == "chitchat" and args.prior_pairs is None else []
     pool = read_pool(args.pool)[0] if args.pool else None
     test = cases[: args.limit or None]
     if pool is not None:
@@ -568,6 +580,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         judge=None if args.judge == "none" else args.judge,
         guard_pairs=valid,
         guard_quantile=args.restatement_quantile,
+        prior_pairs=prior_pairs,
     )
     result = run_eval(spec)
     write_json_atomic(Path(args.out), result)

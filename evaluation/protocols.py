@@ -22,6 +22,7 @@ import torch
 
 from coreply.corpus import NegativeSampler, Pair, build_pool
 from coreply.models import BiEncoder, CrossEncoder, PolyEncoder, poly_scores
+from coreply.prior import DEPTH, Prior
 from coreply.ranking import ZSCORE_WEIGHT, Candidates, Hits, Pipeline, Query, order, score_lists
 from coreply.text import normalize
 from evaluation.metrics import KS, gold_rank, summarize
@@ -128,15 +129,18 @@ class DenseRetriever:
     """Bi-encoder + exact inner-product search over the pool: one matmul and a top-k on the model's
     device (the GPU when training there; evaluation needs no FAISS). A Poly-encoder's hits also carry
     its context codes, and :meth:`vectors` hands out the pool's response vectors (for the poly stage and
-    the restatement guard)."""
+    the restatement guard). With a ``prior`` it searches at least :data:`~coreply.prior.DEPTH` hits and
+    rescores them, as a bundle's retriever does."""
 
     def __init__(self, bi: BiEncoder, pool: Sequence[str]) -> None:
         self.bi = bi
         self.embeddings = bi.embed_responses(pool).to(bi.device)  # [P, D]
+        self.prior: Prior | None = None
 
     def __call__(self, contexts: Sequence[Sequence[str]], k: int) -> Hits:
         ids, scores, codes = [], [], []
         k = min(k, len(self.embeddings))
+        depth = k if self.prior is None else min(max(k, DEPTH), len(self.embeddings))
         poly = isinstance(self.bi, PolyEncoder)
         for start in range(0, len(contexts), 256):  # [256, P] score blocks keep memory flat
             block = contexts[start : start + 256]
@@ -146,10 +150,22 @@ class DenseRetriever:
                 codes.append(both[:, 1:].numpy())
             else:
                 queries = self.bi.embed_contexts(block)
-            top = torch.topk(queries.to(self.embeddings.device) @ self.embeddings.T, k, dim=1)  # [Q, k] x2
-            ids.append(top.indices.cpu().numpy())
-            scores.append(top.values.float().cpu().numpy())
+            top_scores, top_ids = self.search(queries, depth)  # [Q, depth] x2
+            if self.prior is not None:
+                top_scores, top_ids = self.prior.rescore(top_scores, top_ids, k)  # [Q, k] x2
+            ids.append(top_ids)
+            scores.append(top_scores)
         return Hits(np.concatenate(ids), np.concatenate(scores), np.concatenate(codes) if poly else None)
+
+    def search(self, queries: torch.Tensor | np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """queries [Q, D] -> (scores, ids) [Q, k] each, best first (as a FAISS index searches)."""
+        queries = torch.as_tensor(queries).to(self.embeddings.device, self.embeddings.dtype)
+        top = torch.topk(queries @ self.embeddings.T, min(k, len(self.embeddings)), dim=1)
+        return top.values.float().cpu().numpy(), top.indices.cpu().numpy()
+
+    def encode_contexts(self, contexts: Sequence[Sequence[str]]) -> np.ndarray:
+        """[n] contexts -> [n, D] by the context tower (the response prior's reference contexts)."""
+        return self.bi.embed_contexts(contexts).float().cpu().numpy()
 
     def vectors(self, ids: np.ndarray) -> np.ndarray:
         """[n] pool ids -> [n, D]"""

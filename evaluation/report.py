@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from coreply import restatement
+from coreply import prior, restatement
 from coreply.checkpoint import load_bi, load_checkpoint, read_meta
 from coreply.config import ZERO_SHOT
 from coreply.corpus import Pair
@@ -53,6 +53,7 @@ class EvalSpec:
     judge: str | None = ZERO_SHOT  # bi-encoder judging restatements (evaluation/restatement.py); None: skip
     guard_pairs: list[Pair] = field(default_factory=list)  # held-out pairs calibrating the guard
     guard_quantile: float | None = restatement.DEFAULT_QUANTILE  # None: protocol B without the guard
+    prior_pairs: list[Pair] = field(default_factory=list)  # the response prior's reference; none: no prior
 
 
 def _row(name: str, ranks: list[float], **extra: Any) -> dict[str, Any]:
@@ -111,8 +112,9 @@ def run_eval(spec: EvalSpec) -> dict[str, Any]:
             t0 = time.perf_counter()
             recall = Pipeline(retrieve, spec.pool, keys)
             got = retrieve_and_rerank(spec.test, recall, depth, 0)
+            # a bundle's recall, one addition at a time: each row, then the next; every rerank stage
+            # reads the last (as served)
             if spec.guard_quantile is not None and spec.guard_pairs and retriever_name == "bi":
-                # the row without the guard, then the guarded recall every rerank stage reads (as served)
                 result["B"].append(retrieval_row(label, got))
                 guard = restatement.calibrate(
                     retrieve.encode_responses, spec.guard_pairs, spec.guard_quantile
@@ -121,6 +123,18 @@ def run_eval(spec: EvalSpec) -> dict[str, Any]:
                 got = retrieve_and_rerank(spec.test, recall, depth, 0)
                 label = f"{label} + guard"
                 result.setdefault("restatement", {})["guard"] = guard
+            if spec.prior_pairs and spec.guard_pairs and isinstance(retrieve, DenseRetriever):
+                result["B"].append(retrieval_row(label, got))
+                retrieve.prior, result["prior"] = prior.fit(
+                    retrieve.encode_contexts,
+                    retrieve.search,
+                    retrieve.embeddings.float().cpu().numpy(),
+                    keys,
+                    spec.prior_pairs,
+                    spec.guard_pairs,
+                )
+                got = retrieve_and_rerank(spec.test, recall, depth, 0)
+                label = f"{label} + prior"
             per_case_ms = 1000 * got.retrieve_s / len(spec.test)
             result["B"].append(retrieval_row(label, got))
             stages = []  # (name, pipeline) per rerank stage this retriever can feed
@@ -268,6 +282,20 @@ def render_markdown(
             "an earlier turn, as that quantile of held-out human replies are, under the row's own retriever "
             f"(coreply/restatement.py): {thresholds}. Every rerank row of such a run reranks the guarded "
             "recall.",
+            "",
+        ]
+    priors = [(r["meta"]["name"], r["prior"]) for r in results if "prior" in r]
+    if priors:
+        weights = "; ".join(
+            f"{n}: alpha {p['alpha']:g} (hits@1 by alpha, "
+            + ", ".join(f"{a}: {h}" for a, h in p["hits@1"].items())
+            + f", on {p['chosen_on'].split(',')[0]})"
+            for n, p in priors
+        )
+        lines += [
+            "+ prior: recall rescored by the response prior a bundle serves (score less alpha times each "
+            f"response's mean score against its {priors[0][1]['k']} closest reference contexts, "
+            f"coreply/prior.py): {weights}. Every rerank row of such a run reranks that recall.",
             "",
         ]
     if runs:

@@ -40,7 +40,6 @@ from coreply.corpus import Pair, distinct
 from coreply.device import resolve_device
 from coreply.inference import Backend, export_onnx
 from coreply.knowledge import trained_top_m
-from coreply.prior import Prior
 from coreply.ranking import Pipeline
 from coreply.text import normalize
 from coreply.tokenization import flat_pieces
@@ -66,47 +65,6 @@ def encode_pool(
             out[rows] = encode([texts[i] for i in rows])
             bar.update(len(rows))
     return out
-
-
-def response_prior(
-    backend: Backend,
-    index: Any,
-    vectors: np.ndarray,
-    keys: Sequence[str],
-    reference_pairs: Sequence[Pair],
-    held_out: Sequence[Pair],
-    progress: bool = True,
-) -> tuple[Prior, dict[str, Any]]:
-    """The response prior (:mod:`coreply.prior`) of a pool: rho over a sample of ``reference_pairs``'
-    contexts (each response's own conversations masked), and its weight chosen by hits@1 on the first
-    :data:`~coreply.prior.HELD_OUT` of ``held_out`` whose replies are in the pool, searched as the
-    retriever serves them (echoes of a context turn removed). Returns it and its manifest entry."""
-    reference = prior.reference_sample(reference_pairs)
-    contexts = encode_pool(backend, [p.context for p in reference], progress=progress, contexts=True)
-    values = prior.neighbourhood(
-        vectors, contexts, masked=prior.own_conversations(keys, reference, reference_pairs)
-    )
-    where = {key: i for i, key in enumerate(keys)}
-    pairs = [p for p in held_out if normalize(p.response) in where][: prior.HELD_OUT]
-    if not pairs:
-        raise ValueError("the response prior needs held-out pairs whose replies are in the pool")
-    depth = min(prior.DEPTH + max(len(p.context) for p in pairs), index.ntotal)
-    scores, ids = index.search(
-        encode_pool(backend, [p.context for p in pairs], progress=False, contexts=True), depth
-    )
-    for row, pair in enumerate(pairs):  # the echo filter, as Query.keep applies it
-        echoes = [where[k] for k in {normalize(t) for t in pair.context} if k in where]
-        ids[row, np.isin(ids[row], echoes)] = -1
-    gold = np.array([where[normalize(p.response)] for p in pairs])
-    alpha, hits = prior.choose_alpha(values, scores, ids, gold)
-    entry = {
-        "alpha": alpha,
-        "k": min(prior.K, len(reference)),
-        "reference_contexts": len(reference),
-        "chosen_on": f"{len(pairs)} held-out pairs, hits@1 of retrieval (echoes removed) per alpha",
-        "hits@1": hits,
-    }
-    return Prior(alpha, values), entry
 
 
 def _place_model(spec: str, kind: str, dest: Path, device: str):
@@ -238,8 +196,13 @@ def build_bundle(
                 backend.encode_responses, guard_pairs, guard_quantile
             )
         if prior_pairs and guard_pairs:
-            bundle.prior, manifest["prior"] = response_prior(
-                backend, index, vectors, bundle.keys, prior_pairs, guard_pairs, progress
+            bundle.prior, manifest["prior"] = prior.fit(
+                lambda contexts: encode_pool(backend, contexts, progress=progress, contexts=True),
+                index.search,
+                vectors,
+                bundle.keys,
+                prior_pairs,
+                guard_pairs,
             )
             np.save(tmp / PRIOR, bundle.prior.values)
         ranking = pipeline(bundle, backend, index)

@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from coreply.prior import ALPHAS
+
 
 def coreply(*args: str, cwd=None) -> subprocess.CompletedProcess:
     return subprocess.run(
@@ -89,6 +91,8 @@ def test_train_eval_report_end_to_end(tmp_path, tiny_model_dir, data_file):
         str(data_file),
         "--restatement-quantile",
         "0.9",
+        "--prior-pairs",
+        str(data_file),
         "--out",
         str(out),
     )
@@ -101,10 +105,12 @@ def test_train_eval_report_end_to_end(tmp_path, tiny_model_dir, data_file):
     }
     systems = {(r["system"], r.get("n_r")) for r in result["B"]}
     assert ("BM25", None) in systems and ("Bi-Enc (CORE)", None) in systems
-    # the dense recall again through the restatement guard a bundle serves; the reranker reads that one
-    assert ("Bi-Enc (CORE) + guard", None) in systems
-    assert ("Bi-Enc (CORE) + guard → Cross-Enc (CORE) [sum]", 4) in systems
+    # the dense recall again through the restatement guard and the response prior a bundle serves; the
+    # reranker reads that one
+    assert ("Bi-Enc (CORE) + guard", None) in systems and ("Bi-Enc (CORE) + guard + prior", None) in systems
+    assert ("Bi-Enc (CORE) + guard + prior → Cross-Enc (CORE) [sum]", 4) in systems
     assert result["restatement"]["guard"]["quantile"] == 0.9
+    assert result["prior"]["alpha"] in ALPHAS and result["prior"]["reference_contexts"] == 48
     assert all(r["metrics"]["n"] == 10 for r in result["A"] + result["B"])
     # protocol A negatives come from the whole split, not only the evaluated (limited) pairs
     assert result["meta"]["protocol_a_negative_pool"] == 48 and result["meta"]["test_pairs"] == 10
@@ -131,6 +137,8 @@ def test_train_eval_report_end_to_end(tmp_path, tiny_model_dir, data_file):
     assert "### Protocol A" in text and "### Protocol B" in text and "| run |" in text
     assert "restates %" in text and "the human (gold) replies do so in" in text
     assert "+ guard: protocol B recall without the candidates" in text
+    assert "+ prior: recall rescored by the response prior a bundle serves" in text
+    assert f"{out.stem}: alpha {result['prior']['alpha']:g} (" in text
     assert f"| {run.name} | 3 of 3 (30 min) |" in text  # the run's steps and its time budget
     assert (tmp_path / "nr.png").stat().st_size > 1000
     assert (tmp_path / "curves.png").stat().st_size > 1000

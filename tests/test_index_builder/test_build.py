@@ -462,6 +462,30 @@ def test_a_response_prior_is_measured_stored_and_served(prior_bundle, toy_pairs)
     assert hits.ids.shape == (6, 5)
 
 
+def test_evaluation_fits_and_serves_the_prior_the_bundle_does(prior_bundle, tiny_core, toy_pairs):
+    """`coreply eval` recalls through the prior a bundle of the same retriever would serve."""
+    from coreply.bundle import IndexRetriever
+    from coreply.checkpoint import load_bi
+    from coreply.prior import Prior, fit
+    from evaluation.protocols import DenseRetriever
+
+    bundle = load_bundle(prior_bundle)
+    retrieve = DenseRetriever(load_bi(str(tiny_core / "bi"), "cpu"), bundle.texts)
+    vectors = retrieve.embeddings.numpy()
+    fitted, entry = fit(
+        retrieve.encode_contexts, retrieve.search, vectors, bundle.keys, toy_pairs[:24], toy_pairs[24:]
+    )
+    assert entry == bundle.manifest["prior"]
+    np.testing.assert_allclose(fitted.values, bundle.prior.values, rtol=1e-4, atol=1e-5)
+    retrieve.prior = Prior(1.0, fitted.values)  # a weight that moves the order
+    contexts = [p.context for p in toy_pairs[24:]]
+    served = IndexRetriever(make_backend(bundle), bundle.index, Prior(1.0, bundle.prior.values))(contexts, 5)
+    evaluated = retrieve(contexts, 5)
+    np.testing.assert_array_equal(evaluated.ids, served.ids)
+    unrescored = DenseRetriever(retrieve.bi, bundle.texts)(contexts, 5)
+    assert (unrescored.ids != evaluated.ids).any()  # the prior did move something
+
+
 def test_added_responses_get_the_median_prior_and_a_bad_prior_file_is_refused(tmp_path, prior_bundle):
     from coreply.bundle import PRIOR, finish
 
