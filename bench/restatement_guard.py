@@ -12,8 +12,8 @@ restatement rates of the top answer, each beside the rate of the human replies t
   replies reach it in 0.24 % of the validation split).
 
 It also gives a one-sided paired bootstrap p-value for "the guard costs hits@1", the cases each setting
-answers with the gold (``--against`` another run's file: p that this bundle ranks better, per setting),
-and prints the top answer to the prompts of issue #12 with the guard off and on.
+answers with the gold (``--against`` other runs' files: p that this bundle ranks better than each, per
+setting), and prints the top answer to the prompts of issue #12 with the guard off and on.
 
     python bench/restatement_guard.py --bundle artifacts/default-bundle --split test --limit 2000 \\
         --out docs/restate-guard-default.json
@@ -26,6 +26,7 @@ import datetime as dt
 import json
 import platform
 import time
+from typing import Any
 
 import numpy as np
 
@@ -55,20 +56,18 @@ def main() -> None:
     p.add_argument("--limit", type=int, default=2000, help="first N pairs of the split")
     p.add_argument("--single", type=int, default=200, help="contexts timed one at a time")
     p.add_argument("--out", default=None, help="JSON file to write")
-    p.add_argument("--against", default=None, help="another run's --out file (same split and limit)")
+    p.add_argument("--against", nargs="+", default=[], help="other runs' --out files (same split and limit)")
     args = p.parse_args()
-    other = None
-    if args.against:
-        with open(args.against) as fh:
-            other = json.load(fh)
+    others = {}
+    for path in args.against:
+        with open(path) as fh:
+            others[path] = other = json.load(fh)
         if (
             "top1_cases" not in other
             or other["meta"]["split"] != args.split
             or other["meta"]["pairs"] != args.limit
         ):
-            raise SystemExit(
-                f"--against {args.against}: not a run of this bench on {args.split}[:{args.limit}]"
-            )
+            raise SystemExit(f"--against {path}: not a run of this bench on {args.split}[:{args.limit}]")
 
     bot = Responder.load(args.bundle)
     ranking = bot.pipeline
@@ -124,13 +123,15 @@ def main() -> None:
     # one-sided paired bootstrap: is hits@1 without the guard higher than with it?
     result["p_guard_costs_hits@1"] = round(paired_bootstrap(top1["guard off"], top1["guard on"]), 4)
     result["top1_cases"] = {name: np.flatnonzero(hit).tolist() for name, hit in top1.items()}
-    if other is not None:
-        result["against"] = {"file": args.against}
+    result["against"] = []
+    for path, other in others.items():
+        against: dict[str, Any] = {"file": path}
         for name, hit in top1.items():
             theirs = np.zeros_like(hit)
             theirs[other["top1_cases"][name]] = 1
-            result["against"][f"p_better_{name}"] = round(paired_bootstrap(hit, theirs), 4)
-        print("against", result["against"])
+            against[f"p_better_{name}"] = round(paired_bootstrap(hit, theirs), 4)
+        result["against"].append(against)
+        print("against", against)
     print("gold replies", result["gold"], "p (guard costs hits@1)", result["p_guard_costs_hits@1"])
     for prompt, off, on in zip(PROMPTS, *result["prompts"].values(), strict=True):
         print(f"{' / '.join(prompt)!r}: off {off!r} -> on {on!r}")

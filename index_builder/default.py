@@ -6,7 +6,8 @@ scaled cosine, one shared tower, trained with in-batch negatives; provenance and
 ``checkpoint.json`` and in ``coreply/weights/README.md``) as the retriever over every distinct response
 of the chitchat corpus (124,141), int8 ONNX (one scale per output channel), exact inner-product
 search, the restatement guard calibrated on the validation split (:mod:`coreply.restatement`), and the
-response prior measured on 20,000 training contexts, weighted by validation hits@1 (:mod:`coreply.prior`). No
+response prior measured on 20,000 training contexts, weighted by hits@1 on the whole validation split
+(:mod:`coreply.prior`). No
 reranker yet: none trained so far beats the retriever (docs/results.md §7–8). A reranker that earns its
 place is shipped as ``coreply/weights/default-cross``; when that checkpoint exists the default reranks the
 retriever's candidates with it, fused by the z-score weight calibrated on validation pairs, and an
@@ -21,7 +22,7 @@ from typing import Any
 import coreply
 
 RECALL_QUERIES = 500
-RECIPE = "default bundle, recipe 4 (restatement guard, per-channel int8, response prior)"
+RECIPE = "default bundle, recipe 5 (restatement guard, per-channel int8, response prior weighed on all valid)"
 """Recorded as the bundle's build command; a default bundle built by another recipe is rebuilt."""
 DEFAULT_BI = Path(coreply.__file__).parent / "weights" / "default-bi"
 DEFAULT_CROSS = Path(coreply.__file__).parent / "weights" / "default-cross"
