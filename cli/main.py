@@ -64,6 +64,15 @@ def _load_data(spec: str, max_turns: int) -> dict[str, list]:
     return {"train": read_pairs(spec)}
 
 
+def _prior_pairs(flag: str | None, builtin_train: list | None) -> list:
+    """--prior-pairs: a pairs file, 'none', or (not given) the built-in train split where one applies."""
+    from coreply.readers import read_pairs
+
+    if flag not in (None, "none"):
+        return read_pairs(flag)
+    return builtin_train if builtin_train is not None and flag is None else []
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument(
@@ -550,10 +559,6 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         cases = read_pairs(args.data)
         splits = {"test": cases}
     valid = read_pairs(args.valid_data) if args.valid_data else splits.get("valid", [])
-    if args.prior_pairs not in (None, "none"):
-        prior_pairs = read_pairs(args.prior_pairs)
-    else:
-        prior_pairs = splits["train"] if args.data == "chitchat" and args.prior_pairs is None else []
     pool = read_pool(args.pool)[0] if args.pool else None
     test = cases[: args.limit or None]
     if pool is not None:
@@ -580,7 +585,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         judge=None if args.judge == "none" else args.judge,
         guard_pairs=valid,
         guard_quantile=args.restatement_quantile,
-        prior_pairs=prior_pairs,
+        prior_pairs=_prior_pairs(args.prior_pairs, splits["train"] if args.data == "chitchat" else None),
     )
     result = run_eval(spec)
     write_json_atomic(Path(args.out), result)
@@ -755,10 +760,7 @@ def _cmd_index(args: argparse.Namespace) -> int:
         (texts, metadata), pairs = read_pool(args.pool), []
     if args.queries:
         pairs = read_pairs(args.queries)
-    if args.prior_pairs not in (None, "none"):
-        prior_pairs = read_pairs(args.prior_pairs)
-    else:
-        prior_pairs = splits["train"] if args.pool == "chitchat" and args.prior_pairs is None else []
+    prior_pairs = _prior_pairs(args.prior_pairs, splits["train"] if args.pool == "chitchat" else None)
     if prior_pairs and not pairs:
         print("note: no --queries pairs to weigh the response prior on: the bundle has no prior")
     queries = [p.context for p in pairs[:500]]

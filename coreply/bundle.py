@@ -37,7 +37,7 @@ import numpy as np
 
 from coreply.artifacts import read_sealed, seal
 from coreply.checkpoint import CheckpointError, read_meta
-from coreply.prior import DEPTH, Prior
+from coreply.prior import Prior
 from coreply.ranking import ZSCORE_WEIGHT, Hits, Pipeline
 from coreply.restatement import Guard
 from coreply.text import normalize
@@ -323,8 +323,7 @@ class IndexRetriever:
         if self.prior is None:
             scores, ids = self.index.search(queries, min(k, self.index.ntotal))  # [B, k] x2
         else:
-            scores, ids = self.index.search(queries, min(max(k, DEPTH), self.index.ntotal))  # [B, n] x2
-            scores, ids = self.prior.rescore(scores, ids, k)  # [B, k] x2
+            scores, ids = self.prior.search(self.index.search, queries, k, self.index.ntotal)  # [B, k] x2
         self.timings = {"encode": encoded - start, "search": time.perf_counter() - encoded}
         return Hits(ids, scores, codes)
 

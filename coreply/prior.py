@@ -42,6 +42,9 @@ placed it too coarsely, docs/results.md section 20)."""
 ALPHAS = (0.0, 0.25, 0.5, 0.75, 1.0)
 """The weights tried on held-out pairs; 0 turns the prior off."""
 
+Search = Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]]
+"""(queries [Q, D], k) -> (scores, ids) [Q, k] each, best first: a FAISS index's ``search``."""
+
 
 @dataclass(frozen=True)
 class Prior:
@@ -57,6 +60,12 @@ class Prior:
         adjusted = np.where(ids >= 0, adjusted, -np.inf)
         order = np.argsort(-adjusted, axis=1, kind="stable")[:, :k]  # [Q, k]
         return np.take_along_axis(adjusted, order, 1), np.take_along_axis(ids, order, 1)
+
+    def search(self, search: Search, queries: np.ndarray, k: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+        """The best ``k`` of a pool of ``size`` for queries [Q, D] by ``search``, rescored: it searches
+        at least :data:`DEPTH` hits. Returns (scores, ids) [Q, k] each."""
+        scores, ids = search(queries, min(max(k, DEPTH), size))  # [Q, n] x2
+        return self.rescore(scores, ids, k)
 
 
 def reference_sample(pairs: Sequence[Pair], size: int = REFERENCE, seed: int = 0) -> list[Pair]:
@@ -134,7 +143,7 @@ def choose_alpha(
 
 def fit(
     encode_contexts: Callable[[Sequence[Sequence[str]]], np.ndarray],
-    search: Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]],
+    search: Search,
     vectors: np.ndarray,
     keys: Sequence[str],
     reference_pairs: Sequence[Pair],

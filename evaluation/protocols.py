@@ -22,7 +22,7 @@ import torch
 
 from coreply.corpus import NegativeSampler, Pair, build_pool
 from coreply.models import BiEncoder, CrossEncoder, PolyEncoder, poly_scores
-from coreply.prior import DEPTH, Prior
+from coreply.prior import Prior
 from coreply.ranking import ZSCORE_WEIGHT, Candidates, Hits, Pipeline, Query, order, score_lists
 from coreply.text import normalize
 from evaluation.metrics import KS, gold_rank, summarize
@@ -129,8 +129,8 @@ class DenseRetriever:
     """Bi-encoder + exact inner-product search over the pool: one matmul and a top-k on the model's
     device (the GPU when training there; evaluation needs no FAISS). A Poly-encoder's hits also carry
     its context codes, and :meth:`vectors` hands out the pool's response vectors (for the poly stage and
-    the restatement guard). With a ``prior`` it searches at least :data:`~coreply.prior.DEPTH` hits and
-    rescores them, as a bundle's retriever does."""
+    the restatement guard). With a ``prior`` its hits are rescored as a bundle's retriever rescores them
+    (:meth:`coreply.prior.Prior.search`)."""
 
     def __init__(self, bi: BiEncoder, pool: Sequence[str]) -> None:
         self.bi = bi
@@ -140,7 +140,6 @@ class DenseRetriever:
     def __call__(self, contexts: Sequence[Sequence[str]], k: int) -> Hits:
         ids, scores, codes = [], [], []
         k = min(k, len(self.embeddings))
-        depth = k if self.prior is None else min(max(k, DEPTH), len(self.embeddings))
         poly = isinstance(self.bi, PolyEncoder)
         for start in range(0, len(contexts), 256):  # [256, P] score blocks keep memory flat
             block = contexts[start : start + 256]
@@ -150,9 +149,10 @@ class DenseRetriever:
                 codes.append(both[:, 1:].numpy())
             else:
                 queries = self.bi.embed_contexts(block)
-            top_scores, top_ids = self.search(queries, depth)  # [Q, depth] x2
-            if self.prior is not None:
-                top_scores, top_ids = self.prior.rescore(top_scores, top_ids, k)  # [Q, k] x2
+            if self.prior is None:
+                top_scores, top_ids = self.search(queries, k)  # [Q, k] x2
+            else:
+                top_scores, top_ids = self.prior.search(self.search, queries, k, len(self.embeddings))
             ids.append(top_ids)
             scores.append(top_scores)
         return Hits(np.concatenate(ids), np.concatenate(scores), np.concatenate(codes) if poly else None)

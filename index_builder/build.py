@@ -58,7 +58,7 @@ def encode_pool(
     encode = backend.encode_contexts if contexts else backend.encode_responses
     order = sorted(range(len(texts)), key=size)
     out = np.empty((len(texts), backend.dim), dtype="float32")
-    desc = "encoding reference contexts" if contexts else "encoding pool"
+    desc = "encoding contexts" if contexts else "encoding pool"
     with tqdm(total=len(texts), unit="text", desc=desc, disable=not progress, smoothing=0.1) as bar:
         for start in range(0, len(order), chunk):
             rows = order[start : start + chunk]
