@@ -78,7 +78,7 @@ def test_bundle_built_on_cuda_serves_like_cpu(tmp_path, tiny_core, toy_pairs):
 
 
 def test_exact_search_on_cuda_returns_what_faiss_returns():
-    from test_bundle import flat_index_and_queries
+    from test_index_builder.test_build import flat_index_and_queries
 
     from coreply.bundle import TorchExactIndex
 

@@ -356,9 +356,12 @@ def test_torch_exact_search_returns_what_faiss_flat_returns():
     assert TorchExactIndex(index, "cpu").search(queries, 10_000)[1].shape == (7, 500)  # k capped at ntotal
 
 
-def test_search_moves_only_exact_indexes_and_only_off_the_cpu(tiny_bundle):
+def test_search_moves_only_exact_indexes(tiny_bundle):
     bundle = load_bundle(tiny_bundle)
-    assert search_on(bundle, "cpu") is bundle
+    moved = search_on(bundle, "cpu")
+    assert isinstance(moved.index, TorchExactIndex) and moved.index.ntotal == bundle.index.ntotal
+    queries = bundle.index.reconstruct_n(0, 3)
+    np.testing.assert_array_equal(moved.index.search(queries, 5)[1], bundle.index.search(queries, 5)[1])
     approximate = load_bundle(tiny_bundle)
     approximate.manifest["index"]["factory"] = "HNSW32"
     assert search_on(approximate, "cuda") is approximate  # stays in FAISS; CUDA is never touched
