@@ -251,12 +251,15 @@ class TorchExactIndex:
         return scores.cpu().numpy(), ids.cpu().numpy()
 
 
+def searcher(index: Any, factory: str, device: str) -> Any:
+    """What searches ``index`` (built by the FAISS ``factory``): an exact one as one torch matmul on
+    ``device`` (the CPU included), an approximate one (IVF, HNSW, ...) itself, in FAISS on the CPU."""
+    return TorchExactIndex(index, device) if factory == "Flat" else index
+
+
 def search_on(bundle: Bundle, device: str) -> Bundle:
-    """The bundle with its exact index searched by torch on ``device`` (the CPU included); an
-    approximate index (IVF, HNSW, ...) stays in FAISS on the CPU."""
-    if bundle.manifest["index"]["factory"] != "Flat":
-        return bundle
-    return replace(bundle, index=TorchExactIndex(bundle.index, device))
+    """The bundle with its index searched as :func:`searcher` says."""
+    return replace(bundle, index=searcher(bundle.index, bundle.manifest["index"]["factory"], device))
 
 
 def make_backend(bundle: Bundle, backend: str = "auto", threads: int = 1, device: str = "cpu"):

@@ -30,6 +30,7 @@ from coreply.bundle import (
     load_bundle,
     make_backend,
     pipeline,
+    searcher,
     write_knowledge,
     write_responses,
     write_tokens,
@@ -195,17 +196,18 @@ def build_bundle(
             manifest["restatement"] = restatement.calibrate(
                 backend.encode_responses, guard_pairs, guard_quantile
             )
+        search = searcher(index, factory, str(torch_device))  # as the service will search it
         if prior_pairs and guard_pairs:
             bundle.prior, manifest["prior"] = prior.fit(
                 lambda contexts: encode_pool(backend, contexts, progress=progress, contexts=True),
-                index.search,
+                search.search,
                 vectors,
                 bundle.keys,
                 prior_pairs,
                 guard_pairs,
             )
             np.save(tmp / PRIOR, bundle.prior.values)
-        ranking = pipeline(bundle, backend, index)
+        ranking = pipeline(bundle, backend, search)
         if ranking.reranker is not None and calibration:
             manifest["fusion"] = calibrate_zscore(ranking, calibration)
         import faiss

@@ -364,7 +364,7 @@ def test_search_moves_only_exact_indexes(tiny_bundle):
     np.testing.assert_array_equal(moved.index.search(queries, 5)[1], bundle.index.search(queries, 5)[1])
     approximate = load_bundle(tiny_bundle)
     approximate.manifest["index"]["factory"] = "HNSW32"
-    assert search_on(approximate, "cuda") is approximate  # stays in FAISS; CUDA is never touched
+    assert search_on(approximate, "cuda").index is approximate.index  # stays in FAISS; CUDA never touched
 
 
 def test_a_bundle_owns_copies_of_its_models(tmp_path, tiny_core):
