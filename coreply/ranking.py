@@ -184,6 +184,9 @@ class Pipeline:
             else None
         )
         self.reranker = "cross" if score_pairs is not None else "poly" if poly else None
+        self.timings: dict[str, float] = {}
+        """Seconds per stage the retriever reports (``encode``, ``search``), summed over the last
+        :meth:`recall`'s calls (a guarded recall may search again deeper)."""
 
     def recall(self, queries: Sequence[Query], n: Sequence[int]) -> list[Candidates]:
         """Up to ``n[i]`` answerable candidates for each query, from one retrieval call for all (and, for
@@ -193,8 +196,11 @@ class Pipeline:
         k = min(k, len(self.texts))
         out: list[Candidates | None] = [None] * len(queries)
         todo = list(range(len(queries)))
+        timings: dict[str, float] = {}
         while todo:
             hits = self.retrieve([queries[i].context for i in todo], k)
+            for stage, seconds in getattr(self.retrieve, "timings", {}).items():
+                timings[stage] = timings.get(stage, 0.0) + seconds
             keep = self._answerable([queries[i] for i in todo], hits.ids)
             deeper = min(k * restatement.DEEPEN, restatement.MAX_DEPTH, len(self.texts))
             short = []
@@ -207,6 +213,7 @@ class Pipeline:
                 scores = np.asarray(hits.scores[row], dtype="float64")[kept]
                 out[i] = Candidates(np.asarray(hits.ids[row])[kept], scores, codes=codes)
             todo, k = short, deeper
+        self.timings = timings
         return out  # type: ignore[return-value]
 
     def _answerable(self, queries: Sequence[Query], ids: np.ndarray) -> list[list[int]]:

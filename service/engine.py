@@ -78,12 +78,12 @@ class Engine:
     # ----------------------------------------------------------------- batch functions (inference thread)
 
     def _retrieve_batch(self, items: Sequence[tuple[Query, int]]):
-        """[(query, n)] -> [Candidates], one encode and one search for the whole batch; ``filter`` is the
-        rest of recall (dropping echoes, exclusions and restatements, and searching again deeper for a
-        context the restatement guard left short)."""
+        """[(query, n)] -> [Candidates], one encode and one search for the whole batch (and deeper ones for
+        contexts the restatement guard left short, counted in the same stages); ``filter`` is the rest of
+        recall (dropping echoes, exclusions and restatements)."""
         start = time.perf_counter()
         got = self.pipeline.recall([q for q, _ in items], [n for _, n in items])
-        timings = dict(self.pipeline.retrieve.timings)  # type: ignore[attr-defined]
+        timings = dict(self.pipeline.timings)
         timings["filter"] = max(time.perf_counter() - start - sum(timings.values()), 0.0)
         return got, timings
 

@@ -27,6 +27,7 @@ class ToyRetriever:
 
     def __init__(self, pool: list[str] = POOL) -> None:
         self.pool, self.asked = pool, []
+        self.timings = {"encode": 1.0, "search": 0.25}  # as reported for each call
 
     def __call__(self, contexts, k):
         self.asked.append(k)
@@ -102,9 +103,11 @@ def test_guarded_recall_drops_restatements_of_the_last_turns_unless_a_query_allo
 
 def test_a_query_the_guard_leaves_short_is_searched_again_deeper(monkeypatch):
     retriever = ToyRetriever(["ask"] * 40 + ["reply one"])  # 40 restatements before the only reply
-    (got,) = guarded(retriever).recall([Query(("question",))], [1])
+    pipeline = guarded(retriever)
+    (got,) = pipeline.recall([Query(("question",))], [1])
     assert got.ids.tolist() == [40]
     assert retriever.asked == [1 + 1 + restatement.MARGIN, 41]  # 7, then 56 capped at the pool
+    assert pipeline.timings == {"encode": 2.0, "search": 0.5}  # both calls' stages, not the last one's
     monkeypatch.setattr(restatement, "MAX_DEPTH", 20)
     retriever.asked.clear()
     (got,) = guarded(retriever).recall([Query(("question",))], [1])
