@@ -223,6 +223,10 @@ def read_knowledge(root: Path) -> list[str]:
     return sentences  # type: ignore[return-value]
 
 
+SEARCH_BLOCK = 256
+"""Queries an exact torch search scores at once: a [256, N] float32 block (127 MB for the default pool)."""
+
+
 class TorchExactIndex:
     """Exact inner-product search as one matmul and a top-k on a torch device. Same ``search`` /
     ``ntotal`` contract as the FAISS index it copies. On a GPU host it keeps the search off the host CPU;
@@ -242,13 +246,18 @@ class TorchExactIndex:
         return self.vectors[torch.as_tensor(ids, device=self.vectors.device)].cpu().numpy()
 
     def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """queries [Q, D] -> (scores [Q, k], ids [Q, k]), best first; k is capped at ntotal."""
+        """queries [Q, D] -> (scores [Q, k], ids [Q, k]), best first; k is capped at ntotal. Queries go
+        in blocks of :data:`SEARCH_BLOCK`, so thousands (the index builder's) keep memory flat."""
         import torch
 
+        scores, ids = [], []
         with torch.inference_mode():
             q = torch.from_numpy(np.ascontiguousarray(queries, dtype="float32")).to(self.vectors.device)
-            scores, ids = torch.topk(q @ self.vectors.T, min(k, self.ntotal), dim=1)  # [Q, k] x2
-        return scores.cpu().numpy(), ids.cpu().numpy()
+            for block in q.split(SEARCH_BLOCK):
+                top = torch.topk(block @ self.vectors.T, min(k, self.ntotal), dim=1)  # [B, k] x2
+                scores.append(top.values.cpu().numpy())
+                ids.append(top.indices.cpu().numpy())
+        return np.concatenate(scores), np.concatenate(ids)
 
 
 def searcher(index: Any, factory: str, device: str) -> Any:

@@ -354,6 +354,9 @@ def test_torch_exact_search_returns_what_faiss_flat_returns():
     np.testing.assert_array_equal(got_ids, want_ids)
     np.testing.assert_allclose(got_scores, want_scores, rtol=1e-5, atol=1e-5)
     assert TorchExactIndex(index, "cpu").search(queries, 10_000)[1].shape == (7, 500)  # k capped at ntotal
+    many = np.repeat(queries, 100, axis=0)  # 700 queries: three blocks
+    _, many_ids = TorchExactIndex(index, "cpu").search(many, 10)
+    np.testing.assert_array_equal(many_ids, np.repeat(want_ids, 100, axis=0))
 
 
 def test_search_moves_only_exact_indexes(tiny_bundle):
