@@ -228,34 +228,40 @@ SEARCH_BLOCK = 256
 
 
 class TorchExactIndex:
-    """Exact inner-product search as one matmul and a top-k on a torch device. Same ``search`` /
-    ``ntotal`` contract as the FAISS index it copies. On a GPU host it keeps the search off the host CPU;
+    """Exact inner-product search as one matmul and a top-k on a torch device, over ``vectors`` [N, D]
+    (any float dtype; scores come back as float32). Same ``search`` / ``ntotal`` / ``reconstruct_batch``
+    contract as a FAISS index (:meth:`of` copies one). On a GPU host it keeps the search off the host CPU;
     on a CPU it gains from batching where FAISS's flat search does not (docs/performance.md section 9:
     one thread, 124,141 x 384, a batch of 64 queries 1.0 ms a query against FAISS's 14)."""
 
-    def __init__(self, index: Any, device: str) -> None:
+    def __init__(self, vectors: Any) -> None:
+        self.vectors = vectors  # torch.Tensor [N, D]
+        self.ntotal = len(vectors)
+
+    @classmethod
+    def of(cls, index: Any, device: str) -> TorchExactIndex:
+        """A copy of a FAISS index's vectors on ``device``."""
         import torch
 
-        self.ntotal = index.ntotal
-        self.vectors = torch.from_numpy(index.reconstruct_n(0, index.ntotal)).to(device)  # [N, D]
+        return cls(torch.from_numpy(index.reconstruct_n(0, index.ntotal)).to(device))
 
     def reconstruct_batch(self, ids: np.ndarray) -> np.ndarray:
         """[n] ids -> their vectors [n, D] (float32, on the CPU)."""
         import torch
 
-        return self.vectors[torch.as_tensor(ids, device=self.vectors.device)].cpu().numpy()
+        return self.vectors[torch.as_tensor(ids, device=self.vectors.device)].float().cpu().numpy()
 
-    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """queries [Q, D] -> (scores [Q, k], ids [Q, k]), best first; k is capped at ntotal. Queries go
-        in blocks of :data:`SEARCH_BLOCK`, so thousands (the index builder's) keep memory flat."""
+    def search(self, queries: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """queries [Q, D] (array or tensor) -> (scores [Q, k], ids [Q, k]), best first; k is capped at
+        ntotal. Queries go in blocks of :data:`SEARCH_BLOCK`, so thousands keep memory flat."""
         import torch
 
         scores, ids = [], []
         with torch.inference_mode():
-            q = torch.from_numpy(np.ascontiguousarray(queries, dtype="float32")).to(self.vectors.device)
+            q = torch.as_tensor(queries).to(self.vectors.device, self.vectors.dtype)
             for block in q.split(SEARCH_BLOCK):
                 top = torch.topk(block @ self.vectors.T, min(k, self.ntotal), dim=1)  # [B, k] x2
-                scores.append(top.values.cpu().numpy())
+                scores.append(top.values.float().cpu().numpy())
                 ids.append(top.indices.cpu().numpy())
         return np.concatenate(scores), np.concatenate(ids)
 
@@ -263,7 +269,7 @@ class TorchExactIndex:
 def searcher(index: Any, factory: str, device: str) -> Any:
     """What searches ``index`` (built by the FAISS ``factory``): an exact one as one torch matmul on
     ``device`` (the CPU included), an approximate one (IVF, HNSW, ...) itself, in FAISS on the CPU."""
-    return TorchExactIndex(index, device) if factory == "Flat" else index
+    return TorchExactIndex.of(index, device) if factory == "Flat" else index
 
 
 def search_on(bundle: Bundle, device: str) -> Bundle:

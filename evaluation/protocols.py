@@ -18,8 +18,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
-import torch
 
+from coreply.bundle import TorchExactIndex
 from coreply.corpus import NegativeSampler, Pair, build_pool
 from coreply.models import BiEncoder, CrossEncoder, PolyEncoder, poly_scores
 from coreply.prior import Prior
@@ -129,17 +129,19 @@ class DenseRetriever:
     """Bi-encoder + exact inner-product search over the pool: one matmul and a top-k on the model's
     device (the GPU when training there; evaluation needs no FAISS). A Poly-encoder's hits also carry
     its context codes, and :meth:`vectors` hands out the pool's response vectors (for the poly stage and
-    the restatement guard). With a ``prior`` its hits are rescored as a bundle's retriever rescores them
-    (:meth:`coreply.prior.Prior.search`)."""
+    the restatement guard). :meth:`search` and :meth:`vectors` are those of a
+    :class:`coreply.bundle.TorchExactIndex`, the search a bundle's exact index gets. With a ``prior`` its
+    hits are rescored as a bundle's retriever rescores them (:meth:`coreply.prior.Prior.search`)."""
 
     def __init__(self, bi: BiEncoder, pool: Sequence[str]) -> None:
         self.bi = bi
-        self.embeddings = bi.embed_responses(pool).to(bi.device)  # [P, D]
+        self.index = TorchExactIndex(bi.embed_responses(pool).to(bi.device))  # [P, D]
+        self.search, self.vectors = self.index.search, self.index.reconstruct_batch
         self.prior: Prior | None = None
 
     def __call__(self, contexts: Sequence[Sequence[str]], k: int) -> Hits:
         ids, scores, codes = [], [], []
-        k = min(k, len(self.embeddings))
+        k = min(k, self.index.ntotal)
         poly = isinstance(self.bi, PolyEncoder)
         for start in range(0, len(contexts), 256):  # [256, P] score blocks keep memory flat
             block = contexts[start : start + 256]
@@ -152,24 +154,14 @@ class DenseRetriever:
             if self.prior is None:
                 top_scores, top_ids = self.search(queries, k)  # [Q, k] x2
             else:
-                top_scores, top_ids = self.prior.search(self.search, queries, k, len(self.embeddings))
+                top_scores, top_ids = self.prior.search(self.search, queries, k, self.index.ntotal)
             ids.append(top_ids)
             scores.append(top_scores)
         return Hits(np.concatenate(ids), np.concatenate(scores), np.concatenate(codes) if poly else None)
 
-    def search(self, queries: torch.Tensor | np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """queries [Q, D] -> (scores, ids) [Q, k] each, best first (as a FAISS index searches)."""
-        queries = torch.as_tensor(queries).to(self.embeddings.device, self.embeddings.dtype)
-        top = torch.topk(queries @ self.embeddings.T, min(k, len(self.embeddings)), dim=1)
-        return top.values.float().cpu().numpy(), top.indices.cpu().numpy()
-
     def encode_contexts(self, contexts: Sequence[Sequence[str]]) -> np.ndarray:
         """[n] contexts -> [n, D] by the context tower (the response prior's reference contexts)."""
         return self.bi.embed_contexts(contexts).float().cpu().numpy()
-
-    def vectors(self, ids: np.ndarray) -> np.ndarray:
-        """[n] pool ids -> [n, D]"""
-        return self.embeddings[torch.as_tensor(ids, device=self.embeddings.device)].float().cpu().numpy()
 
     def encode_responses(self, texts: Sequence[str]) -> np.ndarray:
         """[n] texts -> [n, D] by the response tower (the restatement guard's last turns)."""

@@ -128,7 +128,7 @@ def run_eval(spec: EvalSpec) -> dict[str, Any]:
                 retrieve.prior, result["prior"] = prior.fit(
                     retrieve.encode_contexts,
                     retrieve.search,
-                    retrieve.embeddings.float().cpu().numpy(),
+                    retrieve.index.vectors.float().cpu().numpy(),
                     keys,
                     spec.prior_pairs,
                     spec.guard_pairs,

@@ -84,6 +84,6 @@ def test_exact_search_on_cuda_returns_what_faiss_returns():
 
     index, queries = flat_index_and_queries()
     want_scores, want_ids = index.search(queries, 10)
-    got_scores, got_ids = TorchExactIndex(index, "cuda").search(queries, 10)
+    got_scores, got_ids = TorchExactIndex.of(index, "cuda").search(queries, 10)
     assert (got_ids == want_ids).mean() > 0.95  # TF32 / reduction order may swap near-ties
     assert abs(got_scores - want_scores).max() < 1e-2

@@ -350,12 +350,12 @@ def flat_index_and_queries(n: int = 500, dim: int = 16):
 def test_torch_exact_search_returns_what_faiss_flat_returns():
     index, queries = flat_index_and_queries()
     want_scores, want_ids = index.search(queries, 10)
-    got_scores, got_ids = TorchExactIndex(index, "cpu").search(queries, 10)
+    got_scores, got_ids = TorchExactIndex.of(index, "cpu").search(queries, 10)
     np.testing.assert_array_equal(got_ids, want_ids)
     np.testing.assert_allclose(got_scores, want_scores, rtol=1e-5, atol=1e-5)
-    assert TorchExactIndex(index, "cpu").search(queries, 10_000)[1].shape == (7, 500)  # k capped at ntotal
+    assert TorchExactIndex.of(index, "cpu").search(queries, 10_000)[1].shape == (7, 500)  # k capped at ntotal
     many = np.repeat(queries, 100, axis=0)  # 700 queries: three blocks
-    _, many_ids = TorchExactIndex(index, "cpu").search(many, 10)
+    _, many_ids = TorchExactIndex.of(index, "cpu").search(many, 10)
     np.testing.assert_array_equal(many_ids, np.repeat(want_ids, 100, axis=0))
 
 
@@ -477,7 +477,7 @@ def test_evaluation_fits_and_serves_the_prior_the_bundle_does(prior_bundle, tiny
 
     bundle = load_bundle(prior_bundle)
     retrieve = DenseRetriever(load_bi(str(tiny_core / "bi"), "cpu"), bundle.texts)
-    vectors = retrieve.embeddings.numpy()
+    vectors = retrieve.index.vectors.numpy()
     fitted, entry = fit(
         retrieve.encode_contexts, retrieve.search, vectors, bundle.keys, toy_pairs[:24], toy_pairs[24:]
     )
