@@ -824,9 +824,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--port", type=int, default=None, help="port (env COREPLY_PORT; default 8000)")
     p.add_argument(
         "--backend",
-        choices=["auto", "onnx", "torch"],
+        choices=["auto", "onnx", "torch", "torch-bf16"],
         default=None,
-        help="inference backend (auto: ONNX if exported)",
+        help="inference backend (auto: ONNX if exported; torch-bf16: bf16 weights, for CPUs with AMX)",
     )
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (0 = measure at start)")
     p.add_argument(

@@ -49,6 +49,7 @@ RESPONSES = "responses.jsonl"
 TOKENS = "tokens"
 KNOWLEDGE = "knowledge.json"
 PRIOR = "prior.npy"
+BACKENDS = ("auto", "onnx", "torch", "torch-bf16")
 
 
 class BundleError(ValueError):
@@ -279,24 +280,25 @@ def search_on(bundle: Bundle, device: str) -> Bundle:
 
 def make_backend(bundle: Bundle, backend: str = "auto", threads: int = 1, device: str = "cpu"):
     """The bundle's models behind :class:`coreply.inference.Backend`: ``onnx`` (needs ``onnx/`` in the
-    bundle), ``torch``, or ``auto`` (ONNX when exported, else PyTorch)."""
+    bundle), ``torch``, ``torch-bf16`` (on a CPU the weights cast to bf16), or ``auto`` (ONNX when
+    exported, else PyTorch)."""
     import torch
 
     from coreply.checkpoint import load_checkpoint, load_dialogue_tokenizer
     from coreply.inference import OnnxBackend, TorchBackend
 
-    if backend not in ("auto", "onnx", "torch"):
-        raise ValueError(f"backend must be auto, onnx or torch, got {backend!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     has_onnx = bundle.manifest.get("onnx") is not None
     if backend == "onnx" and not has_onnx:
         raise BundleError(f"{bundle.root}: has no ONNX export (built with --onnx none); use --backend torch")
     torch.set_num_threads(threads)
-    if backend == "torch" or not has_onnx:
+    if backend.startswith("torch") or not has_onnx:
         bi = load_checkpoint(bundle.model_dir("bi"), device, expect="bi")
         cross = (
             load_checkpoint(bundle.model_dir("cross"), device, expect="cross") if bundle.has_cross else None
         )
-        chosen = TorchBackend(bi, cross)  # type: ignore[arg-type]
+        chosen = TorchBackend(bi, cross, bf16=backend == "torch-bf16")  # type: ignore[arg-type]
     else:
         chosen = OnnxBackend(
             bundle.root / "onnx",

@@ -34,6 +34,14 @@ def autocast(device: torch.device):
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
+def cpu_has_bf16_matmul() -> bool:
+    """Whether this CPU multiplies bf16 matrices in hardware (Intel AMX tiles). There a model cast to bf16
+    runs in PyTorch faster than the int8 ONNX graphs and much closer to fp32 (docs/performance.md §10);
+    elsewhere bf16 is emulated and slow."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe and probe())
+
+
 def batch_scale(device: torch.device) -> int:
     """How many times larger an inference batch is on a GPU than on a CPU. At CPU sizes (4,096 padded
     tokens) an H100's time per batch is mostly launches and a host sync: validation scored pairs at about

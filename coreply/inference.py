@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from coreply.device import cpu_has_bf16_matmul
 from coreply.knowledge import KnowledgeSelector
 from coreply.models import BiEncoder, CrossEncoder, PolyEncoder, batched
 from coreply.tokenization import Batch, DialogueTokenizer, score_by_tokens
@@ -34,6 +35,7 @@ INT8_VARIANTS: dict[str, dict[str, Any]] = {
 compared by ``bench/quantisation.py``. ``--onnx int8`` writes :data:`INT8`: per channel keeps the
 default retriever's vectors at cosine 0.99 with fp32's where per tensor gives 0.95 (docs/results.md §16)."""
 INT8 = "int8-per-channel"
+log = logging.getLogger(__name__)
 
 
 class Backend(Protocol):
@@ -73,14 +75,24 @@ class _Knowledge:
 
 
 class TorchBackend(_Knowledge):
-    """The models themselves: fp32 on CPU, bf16 autocast on CUDA (the same numerics as training)."""
+    """The models themselves: bf16 autocast on CUDA (the same numerics as training); on a CPU fp32, or with
+    ``bf16`` the weights cast to bf16 (fast where the CPU multiplies bf16 in hardware:
+    :func:`coreply.device.cpu_has_bf16_matmul`). Outputs are float32 either way."""
 
     def __init__(
-        self, bi: BiEncoder, cross: CrossEncoder | None, max_batch_tokens: int | None = None
+        self,
+        bi: BiEncoder,
+        cross: CrossEncoder | None,
+        max_batch_tokens: int | None = None,
+        bf16: bool = False,
     ) -> None:
         """Batches are the models' own, sized for their device (:func:`coreply.device.batch_scale`);
         ``max_batch_tokens`` overrides the reranker's padded tokens a batch."""
-        self.name = "torch"
+        self.name = "torch-bf16" if bf16 else "torch"
+        if bf16 and bi.device.type == "cpu":  # CUDA already runs bf16 under autocast
+            if not cpu_has_bf16_matmul():
+                log.warning("torch-bf16: this CPU has no bf16 matrix units (AMX), so bf16 runs slowly here")
+            bi, cross = bi.to(torch.bfloat16), cross.to(torch.bfloat16) if cross is not None else None
         self.bi, self.cross = bi, cross
         self.max_batch_tokens = max_batch_tokens
         self.dim = bi.dim

@@ -42,8 +42,8 @@ class Responder:
     def load(
         cls, path: str | Path, backend: str = "auto", device: str = "cpu", threads: int = 1
     ) -> Responder:
-        """Load and verify the bundle at ``path``; ``backend`` is ``auto`` (ONNX when exported), ``onnx``
-        or ``torch``."""
+        """Load and verify the bundle at ``path``; ``backend`` is ``auto`` (ONNX when exported), ``onnx``,
+        ``torch`` or ``torch-bf16`` (:func:`coreply.bundle.make_backend`)."""
         bundle = search_on(load_bundle(path), device)
         return cls(bundle, make_backend(bundle, backend, threads, device))
 

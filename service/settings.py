@@ -17,7 +17,11 @@ class Settings(BaseSettings):
     bundle: Path = Field(DEFAULT_BUNDLE, description="bundle directory (`coreply index build`)")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
-    backend: Literal["auto", "onnx", "torch"] = "auto"
+    backend: Literal["auto", "onnx", "torch", "torch-bf16"] = Field(
+        "auto",
+        description="auto: ONNX if exported, else PyTorch; torch-bf16: PyTorch with bf16 weights (on a "
+        "CPU with AMX faster than int8 ONNX at large n_r and closer to fp32; docs/performance.md 10)",
+    )
     device: str = Field("cpu", description="auto (CUDA if the host has it), cpu, cuda or cuda:N")
     threads: int = Field(
         0, ge=0, le=256, description="intra-op threads; 0 = measure 1 vs all cores, keep the faster"

@@ -248,6 +248,30 @@ def test_onnx_matches_torch(tmp_path, tiny_core, toy_pairs):
         assert ((got_q @ backend.encode_responses(pool).T).argmax(1) == want_top).all(), precision
 
 
+def test_torch_bf16_casts_the_models_and_keeps_the_fp32_ranking(tiny_bundle, toy_pairs):
+    """``torch-bf16`` runs bf16 weights on the CPU and returns float32 close to fp32's: the same top-1
+    wherever fp32's own margin is wider than the rounding; an unknown backend is refused by name."""
+    bundle = load_bundle(tiny_bundle)
+    fp32, bf16 = make_backend(bundle, "torch"), make_backend(bundle, "torch-bf16")
+    assert bf16.name == "torch-bf16" and next(bf16.cross.parameters()).dtype == torch.bfloat16
+    assert next(fp32.cross.parameters()).dtype == torch.float32  # each backend loads its own copy
+    contexts, pool = [p.context for p in toy_pairs[:8]], toy_pool()
+    flat_c, flat_r = [c for c in contexts for _ in pool], pool * len(contexts)
+    want_q, got_q = fp32.encode_contexts(contexts), bf16.encode_contexts(contexts)
+    assert got_q.dtype == np.float32
+    cosine = (want_q * got_q).sum(1) / np.linalg.norm(want_q, axis=1) / np.linalg.norm(got_q, axis=1)
+    assert cosine.min() > 0.999
+    want_s = fp32.score_pairs(flat_c, flat_r).reshape(len(contexts), -1)
+    got_s = bf16.score_pairs(flat_c, flat_r).reshape(len(contexts), -1)
+    error = np.abs(got_s - want_s).max()
+    assert error <= 0.02 * (want_s.max() - want_s.min())
+    top2 = np.sort(want_s, axis=1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > 2 * error
+    assert clear.any() and (got_s.argmax(1) == want_s.argmax(1))[clear].all()
+    with pytest.raises(ValueError, match="auto, onnx, torch, torch-bf16"):
+        make_backend(bundle, "tensorrt")
+
+
 def test_a_match_head_reranker_serves_the_same_scores_from_onnx(
     tmp_path, tiny_core, tiny_model_dir, toy_pairs
 ):
