@@ -36,8 +36,8 @@ def autocast(device: torch.device):
 
 def cpu_has_bf16_matmul() -> bool:
     """Whether this CPU multiplies bf16 matrices in hardware (Intel AMX tiles). There a model cast to bf16
-    runs in PyTorch faster than the int8 ONNX graphs and much closer to fp32 (docs/performance.md §10);
-    elsewhere bf16 is emulated and slow."""
+    stays much closer to fp32 than the int8 ONNX graphs and beats them on large batches, not on a lone
+    request (docs/performance.md §10); elsewhere bf16 is emulated and slow."""
     probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
     return bool(probe and probe())
 
