@@ -24,7 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from bench import provenance  # bench/bench.py: this script's directory is on sys.path
-from coreply.bundle import BundleError, load_bundle, make_backend, pipeline, search_on
+from coreply.bundle import BACKENDS, BundleError, load_bundle, make_backend, pipeline, search_on
 from coreply.corpus import load_chitchat
 from coreply.device import resolve_device
 from coreply.ranking import Pipeline, Query
@@ -70,7 +70,7 @@ def operators(prof: profile, cuda: bool, batches: int, top: int) -> list[dict]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bundle", required=True)
-    p.add_argument("--backend", default="auto", choices=["auto", "onnx", "torch", "torch-bf16"])
+    p.add_argument("--backend", default="auto", choices=BACKENDS)
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (the service's COREPLY_DEVICE)")
     p.add_argument("--threads", type=int, default=2, help="intra-op threads (CPU)")
     p.add_argument("--n-r", type=int, default=100, help="candidates recalled and reranked per request")
