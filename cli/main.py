@@ -853,7 +853,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         field = str(first["loc"][0]) if first["loc"] else ""
         name = f"--{field.replace('_', '-')} / COREPLY_{field.upper()}" if field else "the settings"
         raise CliError(f"{name}: {first['msg'].removeprefix('Value error, ')}") from None
-    from coreply.device import resolve_device
+    from coreply.device import on_own_thread, resolve_device
 
     try:
         resolve_device(settings.device)  # this host has it
@@ -862,7 +862,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if settings.bundle == DEFAULT_BUNDLE:
         from index_builder.default import ensure_default_bundle
 
-        ensure_default_bundle(settings.bundle)
+        on_own_thread(ensure_default_bundle, settings.bundle)  # its OpenMP threads end with it
     elif not (settings.bundle / MANIFEST).is_file():
         raise CliError(f"no bundle at {settings.bundle}; build one with `coreply index build -o DIR`")
     else:  # fail fast with a clear message rather than inside the server's lifespan

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
 import torch
+
+T = TypeVar("T")
 
 
 def check_device_name(preference: str) -> str:
@@ -47,3 +53,15 @@ def batch_scale(device: torch.device) -> int:
     tokens) an H100's time per batch is mostly launches and a host sync: validation scored pairs at about
     a fifth of the rate training trains them (docs/results.md section 18)."""
     return 16 if device.type == "cuda" else 1
+
+
+def on_own_thread(fn: Callable[..., T], *args: object) -> T:
+    """``fn(*args)`` run on a new thread that ends when it returns; its result, or its exception raised.
+
+    PyTorch's OpenMP gives every thread that runs parallel work its own team of worker threads, kept until
+    that thread ends. Once the teams hold more threads than the host has cores, libgomp stops spinning
+    between parallel regions and each one waits for its workers to wake: on 2 vCPUs a context's encoding
+    served in 19 ms instead of 8 (docs/performance.md §11). One-off work (building a bundle, loading and
+    timing an engine) runs here so that the serving threads' teams are the only ones left."""
+    with ThreadPoolExecutor(1, thread_name_prefix="coreply-once") as once:
+        return once.submit(fn, *args).result()

@@ -17,6 +17,7 @@ from typing import Any
 
 from fastapi.exceptions import RequestValidationError
 
+from coreply.device import on_own_thread
 from coreply.ranking import Query
 from service.engine import Engine, Job
 from service.metrics import Metrics
@@ -70,7 +71,9 @@ class ServiceState:
     async def _open(self) -> Engine:
         """Load, verify (hashes, dimension, count, models), start and warm an engine."""
         loop = asyncio.get_running_loop()
-        engine = await loop.run_in_executor(None, self.engine_factory, self.settings, self.metrics)
+        engine = await loop.run_in_executor(
+            None, on_own_thread, self.engine_factory, self.settings, self.metrics
+        )
         await engine.start()
         try:
             await self._warm(engine)

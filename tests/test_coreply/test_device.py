@@ -1,0 +1,32 @@
+"""coreply.device: device names, and one-off work on a thread of its own."""
+
+import threading
+
+import pytest
+
+from coreply.device import check_device_name, on_own_thread
+
+
+def test_device_names_are_checked_without_looking_at_the_host():
+    for name in ("auto", "cpu", "cuda", "cuda:1"):
+        assert check_device_name(name) == name
+    for name in ("gpu", "cpu:0", "cuda:x", ""):
+        with pytest.raises(ValueError, match="auto, cpu, cuda, cuda:N"):
+            check_device_name(name)
+
+
+def test_one_off_work_runs_on_a_thread_that_ends_with_it():
+    seen = []
+
+    def work(x: int) -> int:
+        seen.append(threading.current_thread())
+        return x + 1
+
+    assert on_own_thread(work, 1) == 2
+    assert seen[0] is not threading.current_thread() and not seen[0].is_alive()
+
+    def fails() -> None:
+        raise KeyError("the caller sees it")
+
+    with pytest.raises(KeyError, match="the caller sees it"):
+        on_own_thread(fails)
