@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 class Backend(Protocol):
     name: str
+    cpu_torch: bool  # its models run in PyTorch on the CPU: OpenMP teams (coreply.device.on_own_thread)
     dim: int
     has_cross: bool  # a cross-encoder reranker is loaded
     cross_tokenizer: DialogueTokenizer | None
@@ -94,6 +95,7 @@ class TorchBackend(_Knowledge):
                 log.warning("torch-bf16: this CPU has no bf16 matrix units (AMX), so bf16 runs slowly here")
             bi, cross = bi.to(torch.bfloat16), cross.to(torch.bfloat16) if cross is not None else None
         self.bi, self.cross = bi, cross
+        self.cpu_torch = bi.device.type == "cpu"
         self.max_batch_tokens = max_batch_tokens
         self.dim = bi.dim
         self.has_cross = cross is not None
@@ -281,6 +283,7 @@ class OnnxBackend(_Knowledge):
         max_batch_tokens: int = 4096,
     ) -> None:
         self.name = "onnx"
+        self.cpu_torch = False  # ONNX Runtime's own thread pools
         self.max_batch_tokens = max_batch_tokens
         self.dim = dim
         self.batch_size = batch_size

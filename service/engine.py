@@ -5,6 +5,7 @@ encode + search; rerank: pairs), on one inference thread or, with ``overlap_stag
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -55,11 +56,10 @@ class Engine:
         )
         # one inference thread for both stages, or one each (a batch is reranked while the next is
         # encoded and searched): see Settings.overlap_stages
+        self.overlap_stages = settings.overlap_stages and not oversubscribes(backend, threads)
         retrieve_on = ThreadPoolExecutor(1, thread_name_prefix="coreply-retrieve")
         rerank_on = (
-            ThreadPoolExecutor(1, thread_name_prefix="coreply-rerank")
-            if settings.overlap_stages
-            else retrieve_on
+            ThreadPoolExecutor(1, thread_name_prefix="coreply-rerank") if self.overlap_stages else retrieve_on
         )
         self.executors = {retrieve_on, rerank_on}
         wait = settings.batch_wait_ms / 1000
@@ -180,6 +180,14 @@ class Engine:
         self.metrics.batch_items.labels(batcher).observe(done.batch_items)
 
 
+def oversubscribes(backend: Backend, threads: int) -> bool:
+    """Whether a thread per stage would put more OpenMP threads on the CPU than it has cores: both stages
+    run PyTorch there, each thread with its own team of ``threads``. libgomp then stops spinning and every
+    parallel region waits for its workers to wake (on 2 vCPUs a lone request at n_r 10 took 92 ms
+    instead of 71; docs/performance.md §11), so such an engine keeps one inference thread."""
+    return backend.cpu_torch and 2 * threads > (os.cpu_count() or 1)
+
+
 def load_engine(settings: Settings, metrics: Metrics) -> Engine:
     """Load and verify the bundle, pick the thread count, build the engine (not yet started)."""
     from coreply.bundle import load_bundle, search_on
@@ -196,8 +204,6 @@ def load_engine(settings: Settings, metrics: Metrics) -> Engine:
 
 def fastest_backend(bundle: Bundle, settings: Settings, device: str) -> tuple[Backend, int]:
     """Time a typical request's model work with 1 thread and with every core; keep the faster backend."""
-    import os
-
     cores = os.cpu_count() or 1
     candidates = [1] if cores == 1 or device != "cpu" else [1, cores]
     context = ["hi! how was your weekend?", "great, i went hiking in the hills. and you?"]

@@ -85,6 +85,7 @@ def build_router(settings: Settings, request_model: type) -> APIRouter:
                 "default_sentences": len(engine.bundle.knowledge),
             },
             "threads": engine.threads,
+            "overlap_stages": engine.overlap_stages,
         }
 
     @router.get(

@@ -126,10 +126,11 @@ def test_the_service_guards_against_restatements_like_the_library_unless_a_reque
         assert 'coreply_stage_duration_seconds_count{stage="filter"} 3.0' in metrics  # + the warm-up
 
 
-def test_overlapping_stages_answer_concurrent_requests_like_one_thread(tiny_bundle):
+def test_overlapping_stages_answer_concurrent_requests_like_one_thread(tiny_bundle, monkeypatch):
     """With a thread per stage (the default) concurrent requests get the answers of one thread. PyTorch
     fp32: int8 ONNX quantises activations per batch, so there batch-mates (which concurrency changes)
     move scores a little and can swap near-ties."""
+    monkeypatch.setattr("os.cpu_count", lambda: 2)  # room for two one-thread teams (test below)
     contexts = [["hello", q] for q, _ in TOPICS.values()] * 3
     body = lambda c: {"context": c, "top_k": 5, "n_candidates": 6, "fusion": "sum"}  # noqa: E731
     one = Settings(bundle=tiny_bundle, threads=1, backend="torch", overlap_stages=False, **LIMITS)
@@ -141,6 +142,20 @@ def test_overlapping_stages_answer_concurrent_requests_like_one_thread(tiny_bund
         names = {t.name.split("_")[0] for t in threading.enumerate()}
     assert [[r["id"] for r in a["responses"]] for a in answers] == want
     assert {"coreply-retrieve", "coreply-rerank"} <= names
+
+
+def test_stages_share_one_thread_where_two_would_oversubscribe_the_cores(tiny_bundle, monkeypatch):
+    """PyTorch on the CPU in both stages with a team as large as the host: one inference thread, said by
+    /readyz; ONNX Runtime (its own thread pools) keeps a thread per stage. Loading ran on a thread that
+    has ended, so the only threads left running PyTorch are the engine's."""
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    for backend, threads, overlap in (("torch", 2, False), ("torch", 1, True), ("onnx", 2, True)):
+        settings = Settings(bundle=tiny_bundle, threads=threads, backend=backend, **LIMITS)
+        before = set(threading.enumerate())  # other tests' services may still be up
+        with TestClient(create_app(settings)) as c:
+            assert c.get("/readyz").json()["overlap_stages"] is overlap
+            names = [t.name.split("_")[0] for t in set(threading.enumerate()) - before]
+        assert ("coreply-rerank" in names) is overlap and "coreply-once" not in names
 
 
 def test_echoes_are_never_returned(client):
