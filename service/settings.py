@@ -47,7 +47,8 @@ class Settings(BaseSettings):
     overlap_stages: bool = Field(
         True,
         description="retrieval and reranking on a thread each, so one batch is encoded and searched while "
-        "another is reranked (off: one inference thread for both; docs/performance.md §7)",
+        "another is reranked (off: one inference thread for both; docs/performance.md §7). Off by itself "
+        "where both stages run PyTorch on the CPU and two OpenMP teams would exceed the cores (§11)",
     )
     request_timeout_ms: int = Field(
         0, ge=0, le=600_000, description="deadline per request unless X-Request-Timeout-Ms says; 0 = none"
