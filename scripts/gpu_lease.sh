@@ -233,7 +233,12 @@ print(' '.join(f'{n}=={m.version(n)}' for n in names.split()))")
       --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux2014_x86_64 \
       -d .serve $pins
     [ -d "$cross" ] || cross=runs/results-cpu/core-poly/cross  # any 6-layer MiniLM reranker times alike
-    [ -f "$cross/checkpoint.json" ] || { echo "carry-serve: no reranker checkpoint at $cross" >&2; exit 2; }
+    if [ ! -f "$cross/checkpoint.json" ]; then  # none at hand (runs/ is not kept): 2 CPU steps, about a minute
+      cross=runs/bench-cross/cross
+      [ -f "$cross/checkpoint.json" ] || "${COREPLY[@]}" train --mode independent --models cross -o runs/bench-cross \
+        --overwrite "${MODEL[@]}" --lora-rank 8 --lr 5e-4 --max-steps 2 --batch-size 4 --num-negatives 15 \
+        --eval-every 2 --valid-size 20 --valid-candidates 10 --device cpu >/dev/null
+    fi
     cp -r "$cross" .serve/cross
     # the peer loads the base model through sentence-transformers, which needs the pooling module's config
     # (setup installs only the model's top-level files)
