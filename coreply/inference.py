@@ -28,13 +28,18 @@ from coreply.tokenization import Batch, DialogueTokenizer, score_by_tokens
 ONNX_FILES = {"context": "context.onnx", "response": "response.onnx", "cross": "cross.onnx"}
 PRECISIONS = ("fp32", "int8")
 INT8_VARIANTS: dict[str, dict[str, Any]] = {
+    "int8-per-channel-7bit": {"per_channel": True, "reduce_range": True},  # weights in [-64, 63]
     "int8-per-channel": {"per_channel": True},  # one scale per output channel of each weight
     "int8-per-tensor": {},  # one scale per weight: small channels lose their precision
 }
 """Options of ONNX Runtime's dynamic quantisation (int8 weights, activations quantised on the fly),
 compared by ``bench/quantisation.py``. ``--onnx int8`` writes :data:`INT8`: per channel keeps the
-default retriever's vectors at cosine 0.99 with fp32's where per tensor gives 0.95 (docs/results.md §16)."""
-INT8 = "int8-per-channel"
+default retriever's vectors at cosine 0.99 with fp32's where per tensor gives 0.95 (docs/results.md §16).
+7-bit weights give the same answers on every x86 CPU: without VNNI (AVX2 only) ONNX Runtime sums pairs of
+uint8 x int8 products in 16 bits, which saturate once weights pass 63. Trained MiniLM weights rarely get
+there (the default retriever: cosine 0.992 with 8 bits, 0.990 with 7, on an AVX2 host), toy ones do
+(a random linear layer 27-39 % off); docs/performance.md §12."""
+INT8 = "int8-per-channel-7bit"
 log = logging.getLogger(__name__)
 
 

@@ -39,7 +39,7 @@ from coreply.checkpoint import load_bi, load_checkpoint, load_dialogue_tokenizer
 from coreply.config import ZERO_SHOT
 from coreply.corpus import Pair, distinct
 from coreply.device import resolve_device
-from coreply.inference import Backend, export_onnx
+from coreply.inference import INT8, Backend, export_onnx
 from coreply.knowledge import trained_top_m
 from coreply.ranking import Pipeline
 from coreply.text import normalize
@@ -172,6 +172,7 @@ def build_bundle(
                 "cross": _model_entry(tmp / "cross", cross) if cross else None,
             },
             "onnx": None if onnx == "none" else onnx,
+            "onnx_int8": INT8 if onnx == "int8" else None,
         }
         if knowledge_retriever:
             manifest["models"]["knowledge"] = _model_entry(tmp / "knowledge", knowledge_retriever)

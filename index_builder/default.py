@@ -4,7 +4,7 @@ plus the compact retriever shipped in this repository.
 Recipe: the bi-encoder in ``coreply/weights/default-bi`` (low-rank adapters over all-MiniLM-L6-v2,
 scaled cosine, one shared tower, trained with in-batch negatives; provenance and measured metrics in its
 ``checkpoint.json`` and in ``coreply/weights/README.md``) as the retriever over every distinct response
-of the chitchat corpus (124,141), int8 ONNX (one scale per output channel), exact inner-product
+of the chitchat corpus (124,141), int8 ONNX (one scale per output channel, 7-bit weights), exact inner-product
 search, the restatement guard calibrated on the validation split (:mod:`coreply.restatement`), and the
 response prior measured on 20,000 training contexts, weighted by hits@1 on the whole validation split
 (:mod:`coreply.prior`). No
@@ -22,7 +22,7 @@ from typing import Any
 import coreply
 
 RECALL_QUERIES = 500
-RECIPE = "default bundle, recipe 5 (restatement guard, per-channel int8, response prior weighed on all valid)"
+RECIPE = "default bundle, recipe 6 (restatement guard, 7-bit per-channel int8, prior weighed on all valid)"
 """Recorded as the bundle's build command; a default bundle built by another recipe is rebuilt."""
 DEFAULT_BI = Path(coreply.__file__).parent / "weights" / "default-bi"
 DEFAULT_CROSS = Path(coreply.__file__).parent / "weights" / "default-cross"

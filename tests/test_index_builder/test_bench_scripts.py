@@ -61,7 +61,7 @@ def test_quantisation_compares_each_int8_variant_with_fp32(tmp_path, tiny_core):
     bench("quantisation.py", "--bi", str(tiny_core / "bi"), "--limit", "20", "--pool", "60", "--single", "2",
           "--out", str(out))  # fmt: skip
     variants = json.loads(out.read_text())["variants"]
-    assert list(variants) == ["fp32", "int8-per-channel", "int8-per-tensor"]
+    assert list(variants) == ["fp32", "int8-per-channel-7bit", "int8-per-channel", "int8-per-tensor"]
     assert variants["fp32"]["top1_as_fp32"] == 100.0 and variants["fp32"]["cosine_contexts"] == 1.0
     for row in variants.values():
         assert 0 <= row["hits@1"] <= row["hits@10"] <= 100 and 0 < row["cosine_responses"] <= 1.0001

@@ -215,7 +215,8 @@ def test_token_budget_scoring_gives_the_scores_of_one_padded_batch(tiny_bundle, 
 
 
 def test_onnx_matches_torch(tmp_path, tiny_core, toy_pairs):
-    """fp32 ONNX reproduces PyTorch closely; int8 stays within a tolerance and keeps the top-1."""
+    """fp32 ONNX reproduces PyTorch closely; int8 stays within a tolerance and keeps the top-1, on CPUs
+    with VNNI or without (the tiny model's weights saturate 8-bit products there)."""
     contexts = [p.context for p in toy_pairs[:8]]
     pool = toy_pool()
     results = {}
@@ -230,6 +231,7 @@ def test_onnx_matches_torch(tmp_path, tiny_core, toy_pairs):
             progress=False,
         )
         bundle = load_bundle(out)
+        assert bundle.manifest["onnx_int8"] == ("int8-per-channel-7bit" if precision == "int8" else None)
         results[precision] = make_backend(bundle, "onnx")
     reference = make_backend(load_bundle(tmp_path / "fp32"), "torch")
     flat_c = [c for c in contexts for _ in pool]
@@ -296,7 +298,8 @@ def test_a_match_head_reranker_serves_the_same_scores_from_onnx(
 
 def test_int8_keeps_the_small_output_channels_of_a_weight(tmp_path):
     """The shipped int8 scales each output channel: a channel with 1/1000 of the others' weights keeps
-    its values, where one scale for the whole tensor rounds it to nothing."""
+    its values, where one scale for the whole tensor rounds it to nothing. Its 7-bit weights keep every
+    channel within 5 % on any x86 CPU, VNNI or not (full 8-bit ones were 27-39 % off on an AVX2 host)."""
     import onnxruntime as ort
 
     from coreply.inference import INT8, quantize_graph
@@ -310,17 +313,17 @@ def test_int8_keeps_the_small_output_channels_of_a_weight(tmp_path):
         layer, (torch.randn(2, 32),), str(fp32), input_names=["x"], dynamic_axes={"x": {0: "n"}}, dynamo=False
     )
     x = np.random.default_rng(0).normal(size=(64, 32)).astype("float32")
-    want = layer(torch.from_numpy(x)).detach().numpy()[:, 3]
+    want = layer(torch.from_numpy(x)).detach().numpy()  # [64, 4]
     error = {}
     level = logging.getLogger().level
     for variant in (INT8, "int8-per-tensor"):
         quantize_graph(fp32, tmp_path / f"{variant}.onnx", variant)
         assert logging.getLogger().level == level and not logging.getLogger().filters  # as it was
         session = ort.InferenceSession(str(tmp_path / f"{variant}.onnx"), providers=["CPUExecutionProvider"])
-        got = session.run(None, {"x": x})[0][:, 3]
-        error[variant] = np.abs(got - want).max() / np.abs(want).max()
-    assert error[INT8] < 0.05
-    assert error["int8-per-tensor"] > 0.5
+        got = session.run(None, {"x": x})[0]
+        error[variant] = np.abs(got - want).max(0) / np.abs(want).max(0)  # [4]: per output channel
+    assert error[INT8].max() < 0.05
+    assert error["int8-per-tensor"][3] > 0.5
 
 
 def test_export_traces_eager_attention_and_restores_the_models(tmp_path, tiny_core):
