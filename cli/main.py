@@ -181,7 +181,8 @@ def _train_parser(sub) -> None:
             p.add_argument(flag, choices=["both", "bi", "cross"], default=default, help=help_)
         else:
             kind = {int: int, float: float}.get(type(default), str)
-            kind = {"max_steps": int, "max_minutes": float}.get(f.name, kind)  # default None
+            none_default = {"max_steps": int, "max_minutes": float, "cross_lora_rank": int, "cross_lr": float}
+            kind = none_default.get(f.name, kind)
             p.add_argument(flag, type=kind, default=default, help=help_)
 
 

@@ -39,9 +39,10 @@
 # wait:S  follows the queue for up to S seconds (returns early when it is done).
 # eval:S  protocols A and B on the first 2,000 test pairs over the full pool, every finished run in the
 #         queue's order and zero-shot last, for at most S seconds (about a minute each on an H100).
-# pack    copies results and every run's adapters (4.5 MB a run; the main runs use LoRA so they can
-#         come back) to $OUT/lease.tgz.* with checksums: run it at the end of every call. Full-weight
-#         models (Dial-MAE, the grounded rankers: 60-180 MB each) stay on the machine; their evals return.
+# pack    copies results and every run's adapters (a few MB a run) to $OUT/lease.tgz.* with checksums:
+#         run it at the end of every call. A reranker trained in full comes back in fp16 for the runs
+#         named in PACK_FULL (default core); other full-weight models (Dial-MAE, the grounded rankers:
+#         60-180 MB each) stay on the machine; their evals return.
 #
 # Issue #14 (serving on the GPU), a call of its own once `setup` has run on the machine (the two carries
 # together exceed one call's 64 MiB):
@@ -392,10 +393,26 @@ print(int(os.path.getmtime(sys.argv[1]) + m * 60 + 60) if m else 0)" "$cfg")
     ;;
   pack)  # adapters, JSON, logs (the resume state/ dirs stay behind), in parts of <= 15 MiB (the limit
     # per file that comes back is 16 MiB); unpack here with: cat lease.tgz.* | tar xz -C runs
-    local out=${OUT:-/tmp/$(basename "$LEASE")-pack}  # never inside what it packs
+    local out=${OUT:-/tmp/$(basename "$LEASE")-pack} name  # never inside what it packs
     mkdir -p "$out"
     rm -f "$out"/lease.tgz.*
-    tar cz --exclude='*/state' --exclude='*.tmp' --exclude='*/model.safetensors' -C runs "$(basename "$LEASE")" | split -b 15M - "$out/lease.tgz."
+    # A reranker that trained every weight (90 MB) comes back as an fp16 copy, cross-fp16/ (45 MB): those
+    # of PACK_FULL's runs (default core; one call's 64 MiB holds one), e.g. PACK_FULL=independent in the
+    # last call when the report favours its reranker. Other full-weight models stay on the machine.
+    for name in ${PACK_FULL-core}; do
+      [ -f "$LEASE/$name/cross/model.safetensors" ] && [ ! -f "$LEASE/$name/cross-fp16/checkpoint.json" ] &&
+        python3 - "$LEASE/$name/cross" "$LEASE/$name/cross-fp16" <<'EOF'
+import sys
+
+from coreply.checkpoint import load_checkpoint, read_meta, save_checkpoint
+
+src, dst = sys.argv[1:]
+meta = read_meta(src)
+save_checkpoint(load_checkpoint(src).half(), dst, {**meta["extra"], "fp16_of": meta["content_hash"]})
+EOF
+    done
+    (cd runs && find "$(basename "$LEASE")" -name state -prune -o -type f ! -name '*.tmp' \
+      \( ! -name model.safetensors -o -path '*/cross-fp16/*' \) -print | tar cz -T -) | split -b 15M - "$out/lease.tgz."
     (cd "$out" && sha256sum lease.tgz.* >lease.sha256 && ls -la lease.tgz.*)
     ;;
   *) echo "gpu_lease.sh: unknown stage '$1' (carry, carry-serve, setup, serve[:SECONDS], speed[:SECONDS], train, stop[:SECONDS], wait:SECONDS, eval[:SECONDS], pack)" >&2; exit 2 ;;

@@ -17,10 +17,10 @@ AT_LEAST_ONE = (
     "patience", "hard_refresh", "hard_pool", "hard_top",
 )  # fmt: skip
 NON_NEGATIVE = (
-    "lora_rank", "hard_negatives", "own_turn_negatives", "paraphrase_negatives", "max_batch_tokens",
-    "valid_size", "valid_pool", "weight_decay", "gamma_r", "gamma_g", "alpha",
+    "lora_rank", "cross_lora_rank", "hard_negatives", "own_turn_negatives", "paraphrase_negatives",
+    "max_batch_tokens", "valid_size", "valid_pool", "weight_decay", "gamma_r", "gamma_g", "alpha",
 )  # fmt: skip
-POSITIVE = ("lr", "tau", "grad_clip", "lora_alpha", "max_minutes")
+POSITIVE = ("lr", "cross_lr", "tau", "grad_clip", "lora_alpha", "max_minutes")
 RULES: dict[str, tuple[Callable[[float], bool], str]] = {
     "at_least_one": (lambda v: v >= 1, ">= 1"),
     "non_negative": (lambda v: v >= 0, ">= 0"),
@@ -58,12 +58,15 @@ HELP = {
     "adapter checkpoint of that rank, whose adapters train on)",
     "lora_rank": "> 0: train low-rank adapters (+ biases, norms, heads) instead of every weight; checkpoints "
     "then hold only those (a few MB) and name the base model by hash",
+    "cross_lora_rank": "the reranker's --lora-rank, when it differs (e.g. 0: every weight of the reranker "
+    "trains while the retriever trains adapters)",
     "lora_alpha": "LoRA scaling (update = alpha / rank * B A)",
     "num_negatives": "negatives per candidate list (delta_r); capped, with a message, at the distinct "
     "responses the training data has besides the gold",
     "batch_size": "contexts per step and process",
     "grad_accum": "micro-batches accumulated per optimizer step",
     "lr": "AdamW learning rate",
+    "cross_lr": "the reranker's learning rate, when it differs from --lr",
     "weight_decay": "AdamW weight decay",
     "warmup_ratio": "share of the steps with a linear learning-rate warm-up",
     "epochs": "passes over the training pairs (unless --max-steps is given)",
@@ -114,12 +117,14 @@ class TrainConfig:
     init_bi: str | None = None
     init_cross: str | None = None
     lora_rank: int = 0
+    cross_lora_rank: int | None = None
     lora_alpha: float = 16.0
     model: ModelConfig = field(default_factory=ModelConfig)
     num_negatives: int = 32
     batch_size: int = 8
     grad_accum: int = 1
     lr: float = 5e-5
+    cross_lr: float | None = None
     weight_decay: float = 0.01
     warmup_ratio: float = 0.1
     epochs: int = 1
@@ -169,6 +174,16 @@ class TrainConfig:
         chosen = ("hard_negatives", "own_turn_negatives", "paraphrase_negatives")
         if sum(getattr(self, name) for name in chosen) > self.num_negatives:
             raise ValueError(f"{' + '.join(chosen)} cannot exceed num_negatives ({self.num_negatives})")
+
+    def rank_of(self, kind: str) -> int:
+        """The LoRA rank ``kind`` ('bi' or 'cross') trains with (0: every weight)."""
+        own = self.cross_lora_rank if kind == "cross" else None
+        return self.lora_rank if own is None else own
+
+    def lr_of(self, kind: str) -> float:
+        """The learning rate of ``kind`` ('bi' or 'cross')."""
+        own = self.cross_lr if kind == "cross" else None
+        return self.lr if own is None else own
 
     @property
     def trains_bi(self) -> bool:

@@ -212,8 +212,9 @@ class Trainer:
             if model is None:
                 continue
             trainable = [p for p in model.parameters() if p.requires_grad]
+            fused = self.device.type == "cuda"
             opt = torch.optim.AdamW(
-                trainable, lr=config.lr, weight_decay=config.weight_decay, fused=self.device.type == "cuda"
+                trainable, lr=config.lr_of(name), weight_decay=config.weight_decay, fused=fused
             )
             self.optimizers[name] = opt
             self.schedulers[name] = warmup_linear(opt, lambda: self.total_steps, config.warmup_ratio)
@@ -307,22 +308,26 @@ class Trainer:
         return bi
 
     def _start(self, kind: str, init: str | None, fresh: Callable[[], Any]) -> Any:
-        """A model to train: the base model, or ``init``'s weights. With ``lora_rank`` the adapters train:
-        fresh ones on the base model, or an adapter checkpoint's own (the same rank), never new adapters
-        over merged ones (a checkpoint names its base model by hash, and that base would not be it)."""
+        """A model to train: the base model, or ``init``'s weights. With a LoRA rank (``cfg.rank_of(kind)``)
+        the adapters train: fresh ones on the base model, or an adapter checkpoint's own (the same rank),
+        never new adapters over merged ones (a checkpoint names its base model by hash, and that base
+        would not be it)."""
         cfg = self.cfg
+        rank = cfg.rank_of(kind)
         if not init:
             model = fresh()
-            if cfg.lora_rank:
-                add_lora(model, cfg.lora_rank, cfg.lora_alpha)
+            if rank:
+                add_lora(model, rank, cfg.lora_alpha)
         else:
-            model = load_checkpoint(init, expect=kind, merge=not cfg.lora_rank)
+            model = load_checkpoint(init, expect=kind, merge=not rank)
             have = lora_settings(model)
-            if cfg.lora_rank and (have is None or have["rank"] != cfg.lora_rank):
+            if rank and (have is None or have["rank"] != rank):
                 found = f"rank-{have['rank']} adapters" if have else "plain weights"
+                own = kind == "cross" and cfg.cross_lora_rank is not None
+                flag = "--cross-lora-rank" if own else "--lora-rank"
                 raise ValueError(
-                    f"--init-{kind} {init}: --lora-rank {cfg.lora_rank} continues an adapter checkpoint of "
-                    f"that rank, and this one holds {found} (pass its rank, or --lora-rank 0)"
+                    f"--init-{kind} {init}: {flag} {rank} continues an adapter checkpoint of "
+                    f"that rank, and this one holds {found} (pass its rank, or {flag} 0)"
                 )
         return model.to(self.device).train()
 
@@ -727,8 +732,11 @@ class Trainer:
                 means = self.reduce_losses(window, window_steps)  # waits for the GPU: the rate is true
                 rate = window_steps * self.global_batch / max(1e-9, time.perf_counter() - window_start)
                 window, window_start, window_steps = StepLosses(), time.perf_counter(), 0
-                lr = self.schedulers[next(iter(self.schedulers))].get_last_lr()[0]
-                self._log({"step": self.step, "epoch": epoch, "lr": lr, "examples_per_s": rate, **means})
+                lrs = {name: s.get_last_lr()[0] for name, s in self.schedulers.items()}
+                lr = {"lr": next(iter(lrs.values()))}  # the first model's; the reranker's too if it differs
+                if len(set(lrs.values())) > 1:
+                    lr["cross_lr"] = lrs["cross"]
+                self._log({"step": self.step, "epoch": epoch, **lr, "examples_per_s": rate, **means})
                 bar.set_postfix(
                     {k: f"{v:.3f}" for k, v in means.items() if k.endswith("_loss")} | {"ex/s": f"{rate:.1f}"}
                 )

@@ -136,3 +136,38 @@ def test_adapters_load_on_a_base_carried_in_fp16_but_not_on_a_changed_one(tmp_pa
                 load_checkpoint(tmp_path / "bi")
         else:
             assert load_checkpoint(tmp_path / "bi").kind == "bi"
+
+
+def test_the_reranker_can_train_every_weight_beside_a_retriever_with_adapters(
+    tmp_path, tiny_model_dir, toy_pairs
+):
+    cfg = TrainConfig(
+        output_dir=str(tmp_path / "run"),
+        model=ModelConfig(base_model=str(tiny_model_dir), dropout=0.0),
+        mode="core",
+        lora_rank=4,
+        cross_lora_rank=0,
+        lr=1e-2,
+        cross_lr=1e-3,
+        num_negatives=3,
+        batch_size=4,
+        max_steps=2,
+        valid_size=0,  # keep the last weights
+        warmup_ratio=0.0,
+        device="cpu",
+        log_every=1,
+    )
+    trainer = Trainer(cfg, toy_pairs, [], sorted({p.response for p in toy_pairs}))
+    assert [g["lr"] for g in trainer.optimizers["bi"].param_groups] == [1e-2]
+    assert [g["lr"] for g in trainer.optimizers["cross"].param_groups] == [1e-3]
+    trainer.fit()
+    logged = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert logged["lr"] > logged["cross_lr"] > 0
+    bi = json.loads((tmp_path / "run" / "bi" / "checkpoint.json").read_text())
+    cross = json.loads((tmp_path / "run" / "cross" / "checkpoint.json").read_text())
+    assert bi["adapter"]["rank"] == 4 and "adapter" not in cross and "model.safetensors" in cross["files"]
+    # the word embeddings, frozen under adapters, trained in the reranker
+    base = CrossEncoder.from_pretrained(cfg.model)
+    trained = load_checkpoint(tmp_path / "run" / "cross", expect="cross")
+    name = next(n for n, _ in base.named_parameters() if "word_embeddings" in n)
+    assert not torch.equal(dict(base.named_parameters())[name], dict(trained.named_parameters())[name])
