@@ -103,13 +103,16 @@ else
   PROFILE=(--n-r 100 --batch 1 64 --requests 256)
 fi
 # Separate context and response towers (a shared tower starts as a paraphrase detector), scaled cosine,
-# rank-8 adapters (4.5 MB a run for both models); restatement negatives: 4 of the 31 are the pool's
-# nearest paraphrases of the last turn. Copies of the context's own turns are left to an ablation run:
+# rank-8 adapters on the retriever (lr 5e-4); the reranker trains every weight at 1e-4 (CROSS_RECIPE;
+# at 200 CPU steps adapters trailed full training, and the 2026-11-25 lease's adapter rerankers stayed
+# 12 hits@1 behind their retrievers: docs/results.md 19, 22); restatement negatives: 4 of the 31 are
+# the pool's nearest paraphrases of the last turn. Copies of the context's own turns are left to an ablation run:
 # at a CPU budget they blew the first steps' loss up and set the retriever back (docs/results.md 9.3).
 # TRAIN_EXTRA adds flags to every run (e.g. --max-batch-tokens N after the speed stage shows it pays).
 # shellcheck disable=SC2206
 MODEL=(--normalize --score-scale 20)
-RECIPE=("${MODEL[@]}" --lora-rank 8 --lr 5e-4 --log-every 50 --device "$DEVICE" ${TRAIN_EXTRA:-})
+read -ra CROSS_RECIPE <<<"${CROSS_RECIPE---cross-lora-rank 0 --cross-lr 1e-4}"  # "" : adapters as before
+RECIPE=("${MODEL[@]}" --lora-rank 8 --lr 5e-4 "${CROSS_RECIPE[@]}" --log-every 50 --device "$DEVICE" ${TRAIN_EXTRA:-})
 RESTATE=(--paraphrase-negatives 4 --hard-pool "$HARD_POOL" --hard-refresh 200)
 STUDENT=(--num-layers 2 --max-context-tokens 33 --max-response-tokens 32)
 
@@ -223,7 +226,7 @@ EOF
     ;;
   carry-serve)  # here: what `serve` needs beyond `setup`, at this venv's versions, for the host's Python 3.12
     rm -rf .serve && mkdir -p .serve
-    local pins cross=runs/lease/core/cross
+    local pins cross
     pins=$(python3 -c "
 import importlib.metadata as m
 names = ('faiss-cpu fastapi starlette uvicorn pydantic pydantic-core annotated-types typing-inspection '
@@ -233,8 +236,12 @@ print(' '.join(f'{n}=={m.version(n)}' for n in names.split()))")
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux2014_x86_64 \
       -d .serve $pins
-    [ -d "$cross" ] || cross=runs/results-cpu/core-poly/cross  # any 6-layer MiniLM reranker times alike
-    if [ ! -f "$cross/checkpoint.json" ]; then  # none at hand (runs/ is not kept): 2 CPU steps, about a minute
+    # a small one (adapters) that verifies: a reranker trained in full comes back without its weights in
+    # cross/, and its fp16 copy would not fit the call beside the wheels; any 6-layer reranker times alike
+    for cross in runs/lease/core/cross runs/results-cpu/core-poly/cross ''; do
+      [ -n "$cross" ] && python3 -c "from coreply.checkpoint import read_meta; read_meta('$cross')" 2>/dev/null && break
+    done
+    if [ -z "$cross" ]; then  # none at hand (runs/ is not kept): 2 CPU steps, about a minute
       cross=runs/bench-cross/cross
       [ -f "$cross/checkpoint.json" ] || "${COREPLY[@]}" train --mode independent --models cross -o runs/bench-cross \
         --overwrite "${MODEL[@]}" --lora-rank 8 --lr 5e-4 --max-steps 2 --batch-size 4 --num-negatives 15 \
