@@ -106,8 +106,8 @@ fi
 # rank-8 adapters on the retriever (lr 5e-4); the reranker trains every weight at 1e-4 (CROSS_RECIPE;
 # at 200 CPU steps adapters trailed full training, and the 2026-11-25 lease's adapter rerankers stayed
 # 12 hits@1 behind their retrievers: docs/results.md 19, 22); restatement negatives: 4 of the 31 are
-# the pool's nearest paraphrases of the last turn. Copies of the context's own turns are left to an ablation run:
-# at a CPU budget they blew the first steps' loss up and set the retriever back (docs/results.md 9.3).
+# the pool's nearest paraphrases of the last turn. Copies of the context's own turns are left to an
+# ablation run: at a CPU budget they blew the first steps' loss up and set the retriever back (9.3).
 # TRAIN_EXTRA adds flags to every run (e.g. --max-batch-tokens N after the speed stage shows it pays).
 # shellcheck disable=SC2206
 MODEL=(--normalize --score-scale 20)
