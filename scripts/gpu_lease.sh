@@ -403,19 +403,24 @@ print(int(os.path.getmtime(sys.argv[1]) + m * 60 + 60) if m else 0)" "$cfg")
     local out=${OUT:-/tmp/$(basename "$LEASE")-pack} name  # never inside what it packs
     mkdir -p "$out"
     rm -f "$out"/lease.tgz.*
-    # A reranker that trained every weight (90 MB) comes back as an fp16 copy, cross-fp16/ (45 MB): those
-    # of PACK_FULL's runs (default core; one call's 64 MiB holds one), e.g. PACK_FULL=independent in the
-    # last call when the report favours its reranker. Other full-weight models stay on the machine.
+    # A reranker that trained every weight (90 MB) comes back as an fp16 copy, cross-fp16/ (45 MB), of
+    # its best checkpoint so far (a run cut off still returns one): those of PACK_FULL's runs (default
+    # core; one call's 64 MiB holds one), e.g. PACK_FULL=independent in the last call when the report
+    # favours its reranker. Other full-weight models stay on the machine. A failed copy never stops pack.
     for name in ${PACK_FULL-core}; do
-      [ -f "$LEASE/$name/cross/model.safetensors" ] && [ ! -f "$LEASE/$name/cross-fp16/checkpoint.json" ] &&
-        python3 - "$LEASE/$name/cross" "$LEASE/$name/cross-fp16" <<'EOF'
+      [ -f "$LEASE/$name/cross/model.safetensors" ] || continue
+      python3 - "$LEASE/$name/cross" "$LEASE/$name/cross-fp16" <<'EOF' || echo "pack: no fp16 copy of $name's reranker" >&2
+import json
 import sys
+from pathlib import Path
 
 from coreply.checkpoint import load_checkpoint, read_meta, save_checkpoint
 
 src, dst = sys.argv[1:]
 meta = read_meta(src)
-save_checkpoint(load_checkpoint(src).half(), dst, {**meta["extra"], "fp16_of": meta["content_hash"]})
+copy = Path(dst, "checkpoint.json")
+if not copy.is_file() or json.loads(copy.read_text())["extra"].get("fp16_of") != meta["content_hash"]:
+    save_checkpoint(load_checkpoint(src).half(), dst, {**meta["extra"], "fp16_of": meta["content_hash"]})
 EOF
     done
     (cd runs && find "$(basename "$LEASE")" -name state -prune -o -type f ! -name '*.tmp' \
