@@ -17,6 +17,11 @@ setting), and prints the top answer to the prompts of issue #12 with the guard o
 
     python bench/restatement_guard.py --bundle artifacts/default-bundle --split test --limit 2000 \\
         --out docs/restate-guard-default.json
+
+``--quantiles Q ...`` instead re-calibrates the guard at each quantile (on the pairs the bundle's own
+guard was calibrated on: the first 5,000 validation pairs for the built-in corpus) and reports hits@1,
+hits@10 and both restatement rates of the guarded answers per quantile; ``--start`` skips the first
+pairs of the split, so that a quantile can be chosen on validation pairs the calibration never saw.
 """
 
 from __future__ import annotations
@@ -49,6 +54,74 @@ PROMPTS = [
 ]
 
 
+def top_answers(ranking: Any, pairs: list, allow: bool = False) -> tuple[list[list[str]], list[str | None]]:
+    """Recall through ``ranking`` in batches of 64: per pair the keys of its top 10 and its top text."""
+    ids = []
+    for s in range(0, len(pairs), 64):
+        queries = [Query(tuple(p.context), allow_restatements=allow) for p in pairs[s : s + 64]]
+        ids += [c.ids for c in ranking.recall(queries, [10] * len(queries))]
+    ranked = [[ranking.keys[j] for j in i] for i in ids]
+    return ranked, [ranking.texts[i[0]] if len(i) else None for i in ids]
+
+
+def words_rate(contexts: list, answers: list[str | None]) -> float:
+    """% of answers whose unigram F1 with their context's last turn reaches :data:`WORDS_THRESHOLD`."""
+    flags = [
+        a is not None and unigram_f1(c[-1], a) >= WORDS_THRESHOLD
+        for c, a in zip(contexts, answers, strict=True)
+    ]
+    return round(100 * float(np.mean(flags)), 2)
+
+
+def sweep(args: argparse.Namespace) -> None:
+    """The guard re-calibrated at each of ``args.quantiles``, measured on the split's pairs."""
+    from coreply import restatement
+
+    bot = Responder.load(args.bundle)
+    ranking = bot.pipeline
+    if ranking.guard is None:
+        raise SystemExit(f"{args.bundle}: this bundle has no restatement guard (rebuild it)")
+    calibration = load_chitchat()["valid"][: restatement.MAX_PAIRS]
+    pairs = load_chitchat()[args.split][args.start : args.start + args.limit]
+    contexts = [p.context for p in pairs]
+    gold = [normalize(p.response) for p in pairs]
+    judge = RestatementJudge(load_bi(ZERO_SHOT))
+    result: dict[str, Any] = {
+        "gold": {
+            "judge": round(judge.rate(contexts, [p.response for p in pairs]), 2),
+            "words": words_rate(contexts, [p.response for p in pairs]),
+        },
+        "quantiles": {},
+    }
+    print("gold replies", result["gold"], flush=True)
+    for q in args.quantiles:
+        entry = restatement.calibrate(bot.backend.encode_responses, calibration, q)
+        ranking.guard = restatement.Guard.of(entry)
+        ranked, top = top_answers(ranking, pairs)
+        hits = np.array([r[:1] == [g] for r, g in zip(ranked, gold, strict=True)], dtype=float)
+        result["quantiles"][str(q)] = row = {
+            "guard": entry,
+            "hits@1": round(100 * float(hits.mean()), 2),
+            "hits@10": round(100 * float(np.mean([g in r for r, g in zip(ranked, gold, strict=True)])), 2),
+            "restates_judge": round(judge.rate(contexts, top), 2),
+            "restates_words": words_rate(contexts, top),
+            "top1_cases": np.flatnonzero(hits).tolist(),
+        }
+        print(q, {k: v for k, v in row.items() if k not in ("top1_cases", "guard")}, flush=True)
+    result["meta"] = {
+        "bundle": args.bundle,
+        "split": args.split,
+        "pairs": f"[{args.start}:{args.start + len(pairs)}]",
+        "pool": len(ranking.texts),
+        "calibrated_on": f"valid[:{len(calibration)}]",
+        "date": dt.date.today().isoformat(),
+        "machine": f"{platform.machine()} {platform.system()}",
+    }
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(result, fh, indent=1)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bundle", default="artifacts/default-bundle")
@@ -57,7 +130,11 @@ def main() -> None:
     p.add_argument("--single", type=int, default=200, help="contexts timed one at a time")
     p.add_argument("--out", default=None, help="JSON file to write")
     p.add_argument("--against", nargs="+", default=[], help="other runs' --out files (same split and limit)")
+    p.add_argument("--quantiles", type=float, nargs="+", default=[], help="sweep the guard's quantile")
+    p.add_argument("--start", type=int, default=0, help="skip the split's first N pairs")
     args = p.parse_args()
+    if args.quantiles:
+        return sweep(args)
     others = {}
     for path in args.against:
         with open(path) as fh:
@@ -77,38 +154,27 @@ def main() -> None:
     contexts = [p.context for p in pairs]
     judge = RestatementJudge(load_bi(ZERO_SHOT))
 
-    def words(answers: list[str | None]) -> float:
-        flags = [
-            a is not None and unigram_f1(c[-1], a) >= WORDS_THRESHOLD
-            for c, a in zip(contexts, answers, strict=True)
-        ]
-        return round(100 * float(np.mean(flags)), 2)
-
     result: dict = {
         "gold": {
             "judge": round(judge.rate(contexts, [p.response for p in pairs]), 2),
-            "words": words([p.response for p in pairs]),
+            "words": words_rate(contexts, [p.response for p in pairs]),
         },
         "settings": {},
         "prompts": {},
     }
     top1: dict[str, np.ndarray] = {}  # per case: the gold is the top answer
     for allow in (True, False):
-        start, ids = time.perf_counter(), []
-        for s in range(0, len(pairs), 64):
-            queries = [Query(tuple(c), allow_restatements=allow) for c in contexts[s : s + 64]]
-            ids += [c.ids for c in ranking.recall(queries, [10] * len(queries))]
+        start = time.perf_counter()
+        ranked, top = top_answers(ranking, pairs, allow)
         ms = 1000 * (time.perf_counter() - start) / len(pairs)
-        top = [ranking.texts[i[0]] if len(i) else None for i in ids]
         gold = [normalize(p.response) for p in pairs]
-        ranked = [[ranking.keys[j] for j in i] for i in ids]
         name = "guard off" if allow else "guard on"
         top1[name] = np.array([r[:1] == [g] for r, g in zip(ranked, gold, strict=True)], dtype=float)
         result["settings"][name] = {
             "hits@1": round(100 * float(top1[name].mean()), 2),
             "hits@10": round(100 * float(np.mean([g in r for r, g in zip(ranked, gold, strict=True)])), 2),
             "restates_judge": round(judge.rate(contexts, top), 2),
-            "restates_words": words(top),
+            "restates_words": words_rate(contexts, top),
             "ms_per_context_batched": round(ms, 2),
         }
         answers = [bot.respond(c, allow_restatements=allow) for c in PROMPTS]
