@@ -133,7 +133,15 @@ def main() -> None:
     p.add_argument("--quantiles", type=float, nargs="+", default=[], help="sweep the guard's quantile")
     p.add_argument("--start", type=int, default=0, help="skip the split's first N pairs")
     args = p.parse_args()
+    if args.start < 0:
+        p.error(f"--start must be >= 0, got {args.start}")
     if args.quantiles:
+        from coreply.restatement import check_quantile
+
+        try:
+            [check_quantile(q) for q in args.quantiles]
+        except ValueError as e:
+            p.error(f"--quantiles: {e}")
         return sweep(args)
     others = {}
     for path in args.against:
