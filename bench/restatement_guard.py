@@ -81,8 +81,9 @@ def sweep(args: argparse.Namespace) -> None:
     ranking = bot.pipeline
     if ranking.guard is None:
         raise SystemExit(f"{args.bundle}: this bundle has no restatement guard (rebuild it)")
-    calibration = load_chitchat()["valid"][: restatement.MAX_PAIRS]
-    pairs = load_chitchat()[args.split][args.start : args.start + args.limit]
+    splits = load_chitchat()
+    last, earlier = restatement.human_closeness(bot.backend.encode_responses, splits["valid"])
+    pairs = splits[args.split][args.start : args.start + args.limit]
     contexts = [p.context for p in pairs]
     gold = [normalize(p.response) for p in pairs]
     judge = RestatementJudge(load_bi(ZERO_SHOT))
@@ -95,7 +96,7 @@ def sweep(args: argparse.Namespace) -> None:
     }
     print("gold replies", result["gold"], flush=True)
     for q in args.quantiles:
-        entry = restatement.calibrate(bot.backend.encode_responses, calibration, q)
+        entry = restatement.guard_entry(last, earlier, q)
         ranking.guard = restatement.Guard.of(entry)
         ranked, top = top_answers(ranking, pairs)
         hits = np.array([r[:1] == [g] for r, g in zip(ranked, gold, strict=True)], dtype=float)
@@ -113,7 +114,7 @@ def sweep(args: argparse.Namespace) -> None:
         "split": args.split,
         "pairs": f"[{args.start}:{args.start + len(pairs)}]",
         "pool": len(ranking.texts),
-        "calibrated_on": f"valid[:{len(calibration)}]",
+        "calibrated_on": f"valid[:{len(last)}]",
         "date": dt.date.today().isoformat(),
         "machine": f"{platform.machine()} {platform.system()}",
     }

@@ -83,11 +83,9 @@ def check_quantile(quantile: float) -> float:
     return quantile
 
 
-def calibrate(encode_responses: EncodeResponses, pairs: Sequence[Any], quantile: float) -> dict[str, Any]:
-    """The guard's manifest entry: the ``quantile`` of the human reply's :func:`closeness` to the last
-    turn, and to the earlier turns, over (at most :data:`MAX_PAIRS` of) ``pairs`` (objects with
-    ``context`` and ``response``), and the share of those replies that either threshold drops."""
-    check_quantile(quantile)
+def human_closeness(encode_responses: EncodeResponses, pairs: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]:
+    """The human reply's :func:`closeness` to the last turn and to the earlier turns ([N] each), over (at
+    most :data:`MAX_PAIRS` of) held-out ``pairs`` (objects with ``context`` and ``response``)."""
     pairs = list(pairs)[:MAX_PAIRS]
     if not pairs:
         raise ValueError("calibrating the restatement guard needs held-out pairs")
@@ -95,14 +93,27 @@ def calibrate(encode_responses: EncodeResponses, pairs: Sequence[Any], quantile:
     turns = TextVectors(lambda texts: unit(encode_responses(texts)))
     near = closeness(turns, [p.context for p in pairs], gold[:, None])
     last, earlier = (np.concatenate(x) for x in zip(*near, strict=True))  # [N] x2
+    return last, earlier
+
+
+def guard_entry(last: np.ndarray, earlier: np.ndarray, quantile: float) -> dict[str, Any]:
+    """The guard's manifest entry from :func:`human_closeness`: the ``quantile`` of each closeness, and
+    the share of those replies that either threshold drops."""
+    check_quantile(quantile)
     guard = Guard(float(np.quantile(last, quantile)), float(np.quantile(earlier, quantile)))
     return {
         "last_turn": round(guard.last, 4),
         "earlier_turns": round(guard.earlier, 4),
         "quantile": quantile,
         "human_replies_dropped": round(float(np.mean((last >= guard.last) | (earlier >= guard.earlier))), 4),
-        "calibrated_on": f"{len(pairs)} held-out pairs",
+        "calibrated_on": f"{len(last)} held-out pairs",
     }
+
+
+def calibrate(encode_responses: EncodeResponses, pairs: Sequence[Any], quantile: float) -> dict[str, Any]:
+    """The guard's manifest entry at ``quantile``, calibrated on held-out ``pairs``."""
+    check_quantile(quantile)  # before the encoding
+    return guard_entry(*human_closeness(encode_responses, pairs), quantile)
 
 
 def restating(

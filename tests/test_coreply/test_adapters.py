@@ -69,22 +69,25 @@ def test_adapter_checkpoint_refuses_a_different_base_model(tmp_path, tiny_model_
         load_checkpoint(tmp_path / "bi")
 
 
-def test_core_with_adapters_learns_and_saves_compact_checkpoints(tmp_path, tiny_model_dir, toy_pairs):
-    cfg = TrainConfig(
+def core_with_adapters(tmp_path, tiny_model_dir, **kw) -> TrainConfig:
+    """A CORE run on the tiny model with rank-4 adapters; ``kw`` overrides."""
+    base = dict(
         output_dir=str(tmp_path / "run"),
         model=ModelConfig(base_model=str(tiny_model_dir), dropout=0.0),
         mode="core",
         lora_rank=4,
         num_negatives=3,
-        batch_size=8,
-        max_steps=40,
-        eval_every=20,
-        valid_size=16,
-        valid_candidates=4,
         lr=1e-2,
         device="cpu",
-        log_every=20,
     )
+    return TrainConfig(**(base | kw))
+
+
+def test_core_with_adapters_learns_and_saves_compact_checkpoints(tmp_path, tiny_model_dir, toy_pairs):
+    cfg = core_with_adapters(
+        tmp_path, tiny_model_dir, batch_size=8, max_steps=40, eval_every=20, valid_size=16,
+        valid_candidates=4, log_every=20,
+    )  # fmt: skip
     trainer = Trainer(cfg, toy_pairs, toy_pairs[:16], sorted({p.response for p in toy_pairs}))
     summary = trainer.fit()
     start = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])["valid"]
@@ -141,22 +144,10 @@ def test_adapters_load_on_a_base_carried_in_fp16_but_not_on_a_changed_one(tmp_pa
 def test_the_reranker_can_train_every_weight_beside_a_retriever_with_adapters(
     tmp_path, tiny_model_dir, toy_pairs
 ):
-    cfg = TrainConfig(
-        output_dir=str(tmp_path / "run"),
-        model=ModelConfig(base_model=str(tiny_model_dir), dropout=0.0),
-        mode="core",
-        lora_rank=4,
-        cross_lora_rank=0,
-        lr=1e-2,
-        cross_lr=1e-3,
-        num_negatives=3,
-        batch_size=4,
-        max_steps=2,
-        valid_size=0,  # keep the last weights
-        warmup_ratio=0.0,
-        device="cpu",
-        log_every=1,
-    )
+    cfg = core_with_adapters(
+        tmp_path, tiny_model_dir, cross_lora_rank=0, cross_lr=1e-3, batch_size=4, max_steps=2,
+        valid_size=0, warmup_ratio=0.0, log_every=1,  # valid_size 0: the last weights are kept
+    )  # fmt: skip
     trainer = Trainer(cfg, toy_pairs, [], sorted({p.response for p in toy_pairs}))
     assert [g["lr"] for g in trainer.optimizers["bi"].param_groups] == [1e-2]
     assert [g["lr"] for g in trainer.optimizers["cross"].param_groups] == [1e-3]
