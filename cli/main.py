@@ -1,5 +1,5 @@
 """The ``coreply`` command: ``train``, ``pretrain``, ``eval``, ``ground`` (train / eval), ``report``,
-``index`` (build / add / info / verify), ``serve``, ``chat``.
+``index`` (build / add / info / verify), ``compact``, ``serve``, ``chat``.
 
 Heavy modules are imported inside each subcommand so ``coreply --help`` stays instant."""
 
@@ -983,6 +983,44 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             said.append(found[0]["id"])
 
 
+def _compact_parser(sub) -> None:
+    p = sub.add_parser(
+        "compact",
+        help="shrink a checkpoint trained in full to low-rank adapters (a few MB, for git); check its "
+        "quality with `coreply eval` before shipping it",
+        **DEFAULTS_SHOWN,
+    )
+    p.add_argument("checkpoint", help="a checkpoint dir trained in full (or its fp16 copy)")
+    p.add_argument("-o", "--out", required=True, help="the compact checkpoint dir to write")
+    p.add_argument("--rank", type=at_least(1), default=32, help="the adapters' rank")
+
+
+def _cmd_compact(args: argparse.Namespace) -> int:
+    from coreply.adapters import extract_lora
+    from coreply.checkpoint import load_checkpoint, model_class, read_meta, save_checkpoint
+
+    meta = read_meta(args.checkpoint)
+    if "adapter" in meta:
+        raise CliError(f"{args.checkpoint}: already compact (adapters of rank {meta['adapter'].get('rank')})")
+    if Path(args.out).resolve() == Path(args.checkpoint).resolve():
+        raise CliError("--out: must differ from the checkpoint it compacts")
+    tuned = load_checkpoint(args.checkpoint)
+    model = model_class(meta["kind"], tuned.config).from_pretrained(tuned.config).eval()
+    try:
+        kept = extract_lora(model, tuned, args.rank)
+    except ValueError as exc:
+        raise CliError(f"--rank: {exc}") from None
+    extra = {**meta["extra"], "compacted_from": meta["content_hash"], "rank": args.rank, **kept}
+    save_checkpoint(model.half(), args.out, extra)  # fp16 factors: half the bytes, loaded back as fp32
+    size = sum(f.stat().st_size for f in Path(args.out).iterdir() if f.is_file())
+    print(
+        f"{args.out}: {size / 2**20:.1f} MiB; kept {100 * kept['kept']:.1f} % of the linear layers' change "
+        f"(worst layer {100 * kept['worst_kept']:.1f} %); dropped the embeddings' change "
+        f"({100 * kept['embedding_change']:.2f} % of their norm)"
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="coreply", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -992,6 +1030,7 @@ def build_parser() -> argparse.ArgumentParser:
     _ground_parser(sub)
     _report_parser(sub)
     _index_parser(sub)
+    _compact_parser(sub)
     _serve_parser(sub)
     _chat_parser(sub)
     return parser
@@ -1004,6 +1043,7 @@ COMMANDS: dict[str, Any] = {
     "ground": _cmd_ground,
     "report": _cmd_report,
     "index": _cmd_index,
+    "compact": _cmd_compact,
     "serve": _cmd_serve,
     "chat": _cmd_chat,
 }

@@ -4,7 +4,8 @@ trainable. What training changes is then small enough to ship in git (a few MB i
 a checkpoint stores only that (see ``coreply.checkpoint``): the base weights come from the base model.
 
 The adapters live as ``torch.nn.utils.parametrize`` parametrizations, so the model classes are
-unchanged; :func:`merge_lora` folds them into plain weights for serving and export.
+unchanged; :func:`merge_lora` folds them into plain weights for serving and export. A model fine-tuned
+in full can be shipped the same way: :func:`extract_lora` approximates its change by adapters.
 """
 
 from __future__ import annotations
@@ -77,3 +78,53 @@ def merge_lora(model: nn.Module) -> None:
     for module in list(model.modules()):
         if parametrize.is_parametrized(module, ADAPTED):
             parametrize.remove_parametrizations(module, ADAPTED, leave_parametrized=True)
+
+
+@torch.no_grad()
+def extract_lora(model: nn.Module, tuned: nn.Module, rank: int) -> dict[str, float]:
+    """Turn ``model`` (the base, in place) into a rank-``rank`` adapter model that approximates ``tuned``,
+    the same architecture fine-tuned in full: each linear weight's change ``W_tuned - W_base`` becomes
+    its best rank-``rank`` approximation (truncated SVD, ``alpha = rank`` so the scale is 1); biases,
+    LayerNorms and heads are copied; the embeddings' change is dropped (adapters keep them frozen).
+
+    Returns what was kept: ``kept`` and ``worst_kept``, the share of the linear changes' squared
+    Frobenius norm kept over all layers and in the worst one, and ``embedding_change``, the dropped
+    change's norm relative to the embeddings' norm."""
+    tuned_params = dict(tuned.named_parameters())
+    if set(tuned_params) != {name for name, _ in model.named_parameters()}:
+        raise ValueError("the fine-tuned model and the base are not the same architecture")
+    linears = [m for b in backbones(model) for m in b.modules() if isinstance(m, nn.Linear)]
+    smallest = min(min(m.weight.shape) for m in linears)
+    if not 1 <= rank <= smallest:
+        raise ValueError(f"rank must be in [1, {smallest}] (the smallest linear layer's size), got {rank}")
+    add_lora(model, rank, float(rank))
+    kept = total = 0.0
+    worst = 1.0
+    for name, module in model.named_modules():
+        if not parametrize.is_parametrized(module, ADAPTED):
+            continue
+        base = module.parametrizations[ADAPTED].original
+        change = (tuned_params[f"{name}.weight"] - base).float()  # [out, in]
+        u, s, vh = torch.linalg.svd(change, full_matrices=False)  # [out, k], [k], [k, in]
+        delta = module.parametrizations[ADAPTED][0]
+        delta.lora_B.copy_(u[:, :rank] * s[:rank])  # [out, r]
+        delta.lora_A.copy_(vh[:rank])  # [r, in]
+        energy = float((s**2).sum())
+        kept += float((s[:rank] ** 2).sum())
+        total += energy
+        worst = min(worst, float((s[:rank] ** 2).sum()) / energy if energy else 1.0)
+    for name, param in model.named_parameters():
+        if param.requires_grad and "lora_" not in name:
+            param.copy_(tuned_params[name.replace(f".parametrizations.{ADAPTED}.original", f".{ADAPTED}")])
+    dropped = [
+        (tuned_params[name] - p, p)
+        for name, p in model.named_parameters()
+        if not p.requires_grad and "embeddings" in name
+    ]
+    change = sum(float((d**2).sum()) for d, _ in dropped) ** 0.5
+    norm = sum(float((p**2).sum()) for _, p in dropped) ** 0.5
+    return {
+        "kept": kept / total if total else 1.0,
+        "worst_kept": worst,
+        "embedding_change": change / norm if norm else 0.0,
+    }

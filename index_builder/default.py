@@ -9,7 +9,8 @@ search, the restatement guard calibrated on the validation split (:mod:`coreply.
 response prior measured on 20,000 training contexts, weighted by hits@1 on the whole validation split
 (:mod:`coreply.prior`). No
 reranker yet: none trained so far beats the retriever (docs/results.md §7–8). A reranker that earns its
-place is shipped as ``coreply/weights/default-cross``; when that checkpoint exists the default reranks the
+place is shipped as ``coreply/weights/default-cross`` (adapters; ``coreply compact`` makes them from one
+trained in full); when that checkpoint exists the default reranks the
 retriever's candidates with it, fused by the z-score weight calibrated on validation pairs, and an
 existing default bundle is rebuilt.
 """

@@ -41,8 +41,9 @@
 #         queue's order and zero-shot last, for at most S seconds (about a minute each on an H100).
 # pack    copies results and every run's adapters (a few MB a run) to $OUT/lease.tgz.* with checksums:
 #         run it at the end of every call. A reranker trained in full comes back in fp16 for the runs
-#         named in PACK_FULL (default core); other full-weight models (Dial-MAE, the grounded rankers:
-#         60-180 MB each) stay on the machine; their evals return.
+#         named in PACK_FULL (default core), and as rank-PACK_RANK adapters (default 32, `coreply
+#         compact`, ~3 MB: the form that fits in git; eval both here before shipping it); other
+#         full-weight models (Dial-MAE, the grounded rankers: 60-180 MB each) stay on the machine.
 #
 # Issue #14 (serving on the GPU), a call of its own once `setup` has run on the machine (the two carries
 # together exceed one call's 64 MiB):
@@ -407,8 +408,11 @@ print(int(os.path.getmtime(sys.argv[1]) + m * 60 + 60) if m else 0)" "$cfg")
     # its best checkpoint so far (a run cut off still returns one): those of PACK_FULL's runs (default
     # core; one call's 64 MiB holds one), e.g. PACK_FULL=independent in the last call when the report
     # favours its reranker. Other full-weight models stay on the machine. A failed copy never stops pack.
+    # Beside it, cross-rR/: the same as rank-R adapters (coreply compact, seconds), rewritten each time.
     for name in ${PACK_FULL-core}; do
       [ -f "$LEASE/$name/cross/model.safetensors" ] || continue
+      "${COREPLY[@]}" compact "$LEASE/$name/cross" -o "$LEASE/$name/cross-r${PACK_RANK:-32}" \
+        --rank "${PACK_RANK:-32}" || echo "pack: no compact copy of $name's reranker" >&2
       python3 - "$LEASE/$name/cross" "$LEASE/$name/cross-fp16" <<'EOF' || echo "pack: no fp16 copy of $name's reranker" >&2
 import json
 import sys

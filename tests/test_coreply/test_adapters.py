@@ -162,3 +162,48 @@ def test_the_reranker_can_train_every_weight_beside_a_retriever_with_adapters(
     trained = load_checkpoint(tmp_path / "run" / "cross", expect="cross")
     name = next(n for n, _ in base.named_parameters() if "word_embeddings" in n)
     assert not torch.equal(dict(base.named_parameters())[name], dict(trained.named_parameters())[name])
+
+
+def cross_scores(model):
+    return model.score_pairs([c for c in CONTEXTS for _ in RESPONSES], RESPONSES * len(CONTEXTS))
+
+
+def test_a_reranker_trained_in_full_ships_as_adapters_that_keep_its_low_rank_change(tmp_path, tiny_model_dir):
+    """``coreply compact``: each linear weight's change, here of rank 2, is kept exactly by rank-2
+    adapters stored in fp16; biases, norms and the head are copied; the embeddings' change is dropped."""
+    from cli.main import main
+    from coreply.adapters import extract_lora
+
+    torch.manual_seed(0)
+    config = ModelConfig(base_model=str(tiny_model_dir))
+    tuned = CrossEncoder.from_pretrained(config).eval()
+    with torch.no_grad():
+        for name, param in tuned.named_parameters():
+            if param.dim() == 2 and "embeddings" not in name and "backbone" in name:
+                out, inp = param.shape
+                param.add_(torch.randn(out, 2) @ torch.randn(2, inp) * 0.05)  # a rank-2 change
+            else:
+                param.add_(torch.randn_like(param) * 0.05)
+    save_checkpoint(tuned, tmp_path / "full")
+    compact = CrossEncoder.from_pretrained(config).eval()
+    kept = extract_lora(compact, tuned, rank=2)
+    with torch.no_grad():  # the reference: the change it keeps, all but the embeddings'
+        for name, param in tuned.named_parameters():
+            if "embeddings" in name and "LayerNorm" not in name:
+                param.copy_(dict(compact.named_parameters())[name])
+    assert kept["kept"] == pytest.approx(1.0) and kept["worst_kept"] == pytest.approx(1.0, abs=1e-4)
+    assert kept["embedding_change"] > 0.01
+    expected = cross_scores(tuned)
+    assert torch.allclose(cross_scores(compact), expected, atol=1e-4)
+    assert extract_lora(CrossEncoder.from_pretrained(config), tuned, rank=1)["kept"] < 0.9
+
+    assert main(["compact", str(tmp_path / "full"), "-o", str(tmp_path / "small"), "--rank", "2"]) == 0
+    meta = json.loads((tmp_path / "small" / "checkpoint.json").read_text())
+    assert set(meta["files"]) == {"adapter.safetensors"} and meta["adapter"]["rank"] == 2
+    small = (tmp_path / "small" / "adapter.safetensors").stat().st_size
+    assert small < (tmp_path / "full" / "model.safetensors").stat().st_size / 2
+    loaded = load_checkpoint(tmp_path / "small", expect="cross")
+    spread = float(expected.max() - expected.min())
+    assert (cross_scores(loaded) - expected).abs().max() < 1e-2 * spread  # fp16 factors
+    assert main(["compact", str(tmp_path / "small"), "-o", str(tmp_path / "again")]) == 2
+    assert main(["compact", str(tmp_path / "full"), "-o", str(tmp_path / "big"), "--rank", "999"]) == 2
