@@ -42,7 +42,7 @@
 # pack    copies results and every run's adapters (a few MB a run) to $OUT/lease.tgz.* with checksums:
 #         run it at the end of every call. A reranker trained in full comes back in fp16 for the runs
 #         named in PACK_FULL (default core), and as rank-PACK_RANK adapters (default 32, `coreply
-#         compact`, ~3 MB: the form that fits in git; eval both here before shipping it); other
+#         compact`, ~3 MB: the form that fits in git; `eval` measures it too, as RUN-r32); other
 #         full-weight models (Dial-MAE, the grounded rankers: 60-180 MB each) stay on the machine.
 #
 # Issue #14 (serving on the GPU), a call of its own once `setup` has run on the machine (the two carries
@@ -64,6 +64,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 LEASE=runs/lease
 if [ "${DRY:-0}" = 1 ]; then LEASE=runs/lease-dry; fi  # a dry run never mixes with the lease's results
+PACK_RANK=${PACK_RANK:-32}  # the rank of the compact copy of a reranker trained in full (pack, eval)
 mkdir -p "$LEASE"
 # Tokenising the corpus once per run is the one place the tokenizer's own threads help; nothing forks.
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=true PYTHONUNBUFFERED=1
@@ -393,6 +394,15 @@ print(int(os.path.getmtime(sys.argv[1]) + m * 60 + 60) if m else 0)" "$cfg")
       timeout "$left" "${COREPLY[@]}" eval --out "$LEASE/eval-$name.json" "${EVAL[@]}" --device "$DEVICE" \
         "${parts[@]}" >"$LEASE/eval-$name.log" 2>&1 || echo "eval $name failed or cut off" >>"$LEASE/queue.log"
     done
+    for name in ${PACK_FULL-core}; do  # beside it, the compact form the default would ship (see pack)
+      local small="$LEASE/$name/cross-r$PACK_RANK" left=$((end - SECONDS))
+      [ -f "$LEASE/eval-$name.json" ] && [ -f "$LEASE/$name/cross/model.safetensors" ] || continue
+      [ ! -f "$LEASE/eval-$name-r$PACK_RANK.json" ] && [ $left -gt 60 ] || continue
+      { "${COREPLY[@]}" compact "$LEASE/$name/cross" -o "$small" --rank "$PACK_RANK" && timeout "$left" \
+        "${COREPLY[@]}" eval --out "$LEASE/eval-$name-r$PACK_RANK.json" "${EVAL[@]}" --device "$DEVICE" \
+        --bi "$LEASE/$name/bi" --cross "$small"; } >"$LEASE/eval-$name-r$PACK_RANK.log" 2>&1 ||
+        echo "eval $name-r$PACK_RANK failed or cut off" >>"$LEASE/queue.log"
+    done
     local summaries=()  # the training runs' (the grounded runs have their own evals, ground-eval-*.json)
     for f in "$LEASE"/*/summary.json; do [[ $f == */grounded-* ]] || summaries+=("$f"); done
     ls "$LEASE"/eval-*.json >/dev/null 2>&1 && "${COREPLY[@]}" report "$LEASE"/eval-*.json \
@@ -411,8 +421,8 @@ print(int(os.path.getmtime(sys.argv[1]) + m * 60 + 60) if m else 0)" "$cfg")
     # Beside it, cross-rR/: the same as rank-R adapters (coreply compact, seconds), rewritten each time.
     for name in ${PACK_FULL-core}; do
       [ -f "$LEASE/$name/cross/model.safetensors" ] || continue
-      "${COREPLY[@]}" compact "$LEASE/$name/cross" -o "$LEASE/$name/cross-r${PACK_RANK:-32}" \
-        --rank "${PACK_RANK:-32}" || echo "pack: no compact copy of $name's reranker" >&2
+      "${COREPLY[@]}" compact "$LEASE/$name/cross" -o "$LEASE/$name/cross-r$PACK_RANK" --rank "$PACK_RANK" \
+        || echo "pack: no compact copy of $name's reranker" >&2
       python3 - "$LEASE/$name/cross" "$LEASE/$name/cross-fp16" <<'EOF' || echo "pack: no fp16 copy of $name's reranker" >&2
 import json
 import sys
