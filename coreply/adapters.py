@@ -109,10 +109,9 @@ def extract_lora(model: nn.Module, tuned: nn.Module, rank: int) -> dict[str, flo
         delta = module.parametrizations[ADAPTED][0]
         delta.lora_B.copy_(u[:, :rank] * s[:rank])  # [out, r]
         delta.lora_A.copy_(vh[:rank])  # [r, in]
-        energy = float((s**2).sum())
-        kept += float((s[:rank] ** 2).sum())
-        total += energy
-        worst = min(worst, float((s[:rank] ** 2).sum()) / energy if energy else 1.0)
+        part, energy = float((s[:rank] ** 2).sum()), float((s**2).sum())
+        kept, total = kept + part, total + energy
+        worst = min(worst, part / energy if energy else 1.0)
     for name, param in model.named_parameters():
         if param.requires_grad and "lora_" not in name:
             param.copy_(tuned_params[name.replace(f".parametrizations.{ADAPTED}.original", f".{ADAPTED}")])
