@@ -195,6 +195,36 @@ progress() {
   done
 }
 
+copies() {  # run $1's reranker trained in full, as cross-fp16/ (45 MB) and as rank-PACK_RANK adapters
+  # cross-rR/ (coreply compact, ~3 MB), each rewritten only when the run has a newer best checkpoint
+  # than the copy names; returns non-zero if either failed
+  [ -f "$LEASE/$1/cross/model.safetensors" ] || return 0
+  python3 - "$LEASE/$1/cross" "$PACK_RANK" <<'EOF'
+import json
+import sys
+from pathlib import Path
+
+from cli.main import main
+from coreply.checkpoint import load_checkpoint, read_meta, save_checkpoint
+
+src, rank = Path(sys.argv[1]), sys.argv[2]
+meta = read_meta(src)
+
+
+def names(copy: Path, key: str) -> bool:
+    """Whether ``copy`` exists and its provenance ``key`` names this checkpoint."""
+    file = copy / "checkpoint.json"
+    return file.is_file() and json.loads(file.read_text())["extra"].get(key) == meta["content_hash"]
+
+
+fp16, small = src.with_name("cross-fp16"), src.with_name(f"cross-r{rank}")
+if not names(fp16, "fp16_of"):
+    save_checkpoint(load_checkpoint(src).half(), fp16, {**meta["extra"], "fp16_of": meta["content_hash"]})
+if not names(small, "compacted_from") and main(["compact", str(src), "-o", str(small), "--rank", rank]):
+    sys.exit(1)
+EOF
+}
+
 seconds() {  # the S of a stage written NAME:S (whole seconds > 0), or $2 for a stage written NAME
   [[ $1 == *:* ]] || { echo "$2"; return; }
   [[ ${1#*:} =~ ^[1-9][0-9]*$ ]] || { echo "gpu_lease.sh: $1: S must be a whole number of seconds > 0" >&2; exit 2; }
@@ -398,7 +428,7 @@ print(int(os.path.getmtime(sys.argv[1]) + m * 60 + 60) if m else 0)" "$cfg")
       local small="$LEASE/$name/cross-r$PACK_RANK" left=$((end - SECONDS))
       [ -f "$LEASE/eval-$name.json" ] && [ -f "$LEASE/$name/cross/model.safetensors" ] || continue
       [ ! -f "$LEASE/eval-$name-r$PACK_RANK.json" ] && [ $left -gt 60 ] || continue
-      { "${COREPLY[@]}" compact "$LEASE/$name/cross" -o "$small" --rank "$PACK_RANK" && timeout "$left" \
+      { copies "$name" && timeout "$left" \
         "${COREPLY[@]}" eval --out "$LEASE/eval-$name-r$PACK_RANK.json" "${EVAL[@]}" --device "$DEVICE" \
         --bi "$LEASE/$name/bi" --cross "$small"; } >"$LEASE/eval-$name-r$PACK_RANK.log" 2>&1 ||
         echo "eval $name-r$PACK_RANK failed or cut off" >>"$LEASE/queue.log"
@@ -418,24 +448,9 @@ print(int(os.path.getmtime(sys.argv[1]) + m * 60 + 60) if m else 0)" "$cfg")
     # its best checkpoint so far (a run cut off still returns one): those of PACK_FULL's runs (default
     # core; one call's 64 MiB holds one), e.g. PACK_FULL=independent in the last call when the report
     # favours its reranker. Other full-weight models stay on the machine. A failed copy never stops pack.
-    # Beside it, cross-rR/: the same as rank-R adapters (coreply compact, seconds), rewritten each time.
+    # Beside it, cross-rR/: the same as rank-R adapters, the form that can ship (see copies).
     for name in ${PACK_FULL-core}; do
-      [ -f "$LEASE/$name/cross/model.safetensors" ] || continue
-      "${COREPLY[@]}" compact "$LEASE/$name/cross" -o "$LEASE/$name/cross-r$PACK_RANK" --rank "$PACK_RANK" \
-        || echo "pack: no compact copy of $name's reranker" >&2
-      python3 - "$LEASE/$name/cross" "$LEASE/$name/cross-fp16" <<'EOF' || echo "pack: no fp16 copy of $name's reranker" >&2
-import json
-import sys
-from pathlib import Path
-
-from coreply.checkpoint import load_checkpoint, read_meta, save_checkpoint
-
-src, dst = sys.argv[1:]
-meta = read_meta(src)
-copy = Path(dst, "checkpoint.json")
-if not copy.is_file() or json.loads(copy.read_text())["extra"].get("fp16_of") != meta["content_hash"]:
-    save_checkpoint(load_checkpoint(src).half(), dst, {**meta["extra"], "fp16_of": meta["content_hash"]})
-EOF
+      copies "$name" || echo "pack: no fp16 or compact copy of $name's reranker" >&2
     done
     (cd runs && find "$(basename "$LEASE")" -name state -prune -o -type f ! -name '*.tmp' \
       \( ! -name model.safetensors -o -path '*/cross-fp16/*' \) -print | tar cz -T -) | split -b 15M - "$out/lease.tgz."
