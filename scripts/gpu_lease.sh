@@ -75,7 +75,7 @@ if [ "${DRY:-0}" = 1 ]; then
   [ -d .venv ] && export PATH=$PWD/.venv/bin:$PATH  # here: the project's virtual environment
   DEVICE=cpu
   BUDGET=(--max-steps 2 --max-minutes 5 --batch-size 4 --num-negatives 15 --eval-every 2 --valid-size 20 --valid-candidates 10 --valid-pool 100)
-  EVAL=(--limit 20 --valid-limit 20 --pool-limit 500 --n-r 10 --candidates 10)
+  EVAL=(--limit 20 --valid-limit 20 --pool-limit 500 --n-r 10 --candidates 10 --prior-pairs none)
   SPEED=(--steps 1 --warmup 0 --pairs 500 --batch-size 4 --num-negatives 7)
   HARD_POOL=500
   MAE_STEPS=2
@@ -399,7 +399,7 @@ print(int(os.path.getmtime(sys.argv[1]) + m * 60 + 60) if m else 0)" "$cfg")
     end=$((SECONDS + end))
     for entry in "${RUNS[@]}"; do names+=("${entry%%|*}"); done
     for name in "${names[@]}" zero-shot; do  # the queue's order, zero-shot last
-      [ -f "$LEASE/eval-$name.json" ] && continue
+      [ -f "$LEASE/eval-$name.json" ] && [[ " ${PACK_FULL-core} " != *" $name "* ]] && continue
       [ "$name" = dial-mae ] && continue  # an encoder to fine-tune from, not a retriever
       if [[ $name == grounded-* ]]; then  # protocol A with the knowledge each ranker reads, vs none
         [ -f "$LEASE/$name/summary.json" ] && [ ! -f "$LEASE/ground-eval-$name.json" ] || continue
@@ -421,13 +421,15 @@ print(int(os.path.getmtime(sys.argv[1]) + m * 60 + 60) if m else 0)" "$cfg")
       fi
       local left=$((end - SECONDS))
       [ $left -gt 60 ] || { echo "eval: out of time before $name"; break; }
-      timeout "$left" "${COREPLY[@]}" eval --out "$LEASE/eval-$name.json" "${EVAL[@]}" --device "$DEVICE" \
-        "${parts[@]}" >"$LEASE/eval-$name.log" 2>&1 || echo "eval $name failed or cut off" >>"$LEASE/queue.log"
-    done
-    for name in ${PACK_FULL-core}; do  # beside it, the compact form the default would ship (see pack)
-      local small="$LEASE/$name/cross-r$PACK_RANK" left=$((end - SECONDS))
-      [ -f "$LEASE/eval-$name.json" ] && [ -f "$LEASE/$name/cross/model.safetensors" ] || continue
-      [ ! -f "$LEASE/eval-$name-r$PACK_RANK.json" ] && [ $left -gt 60 ] || continue
+      [ -f "$LEASE/eval-$name.json" ] || timeout "$left" "${COREPLY[@]}" eval --out "$LEASE/eval-$name.json" \
+        "${EVAL[@]}" --device "$DEVICE" "${parts[@]}" >"$LEASE/eval-$name.log" 2>&1 ||
+        echo "eval $name failed or cut off" >>"$LEASE/queue.log"
+      # right after it, for PACK_FULL's runs, the compact form the default would ship (see pack)
+      local small="$LEASE/$name/cross-r$PACK_RANK"
+      [[ " ${PACK_FULL-core} " == *" $name "* ]] && [ -f "$LEASE/eval-$name.json" ] || continue
+      [ -f "$LEASE/$name/cross/model.safetensors" ] && [ ! -f "$LEASE/eval-$name-r$PACK_RANK.json" ] || continue
+      left=$((end - SECONDS))
+      [ $left -gt 60 ] || { echo "eval: out of time before $name-r$PACK_RANK"; break; }
       { copies "$name" && timeout "$left" \
         "${COREPLY[@]}" eval --out "$LEASE/eval-$name-r$PACK_RANK.json" "${EVAL[@]}" --device "$DEVICE" \
         --bi "$LEASE/$name/bi" --cross "$small"; } >"$LEASE/eval-$name-r$PACK_RANK.log" 2>&1 ||
