@@ -6,22 +6,22 @@
 #
 # then every device call (carry: .lease; and runs/lease, unpacked from the last pack, only when the
 # machine is fresh: a carried path replaces the one there, the running queue's on a warm machine) is one
-# line of stages, ending with `pack`:
+# line of stages, ending with `pack`. A lease is 15 minutes of device time; the calls go back to back
+# (a machine left idle 30 s goes back), each with a timeout that leaves the next one its share:
 #
-#   bash scripts/gpu_lease.sh setup speed:150 train wait:360 pack   # call 1
-#   bash scripts/gpu_lease.sh setup train wait:540 pack             # call 2 (train: restarts the queue
-#                                                                   #  only on a fresh machine)
-#   bash scripts/gpu_lease.sh setup stop:120 eval:S pack            # call 3, S = budget_left_s - 60
+#   bash scripts/gpu_lease.sh setup train wait:540 pack   # call 1, timeout_s 590: one run, ~400 s
+#   bash scripts/gpu_lease.sh setup eval:S pack           # call 2, S = budget_left_s - 90 (~1 min a run)
+#   bash scripts/gpu_lease.sh setup speed:S pack          # call 3 with what is left (>= 200 s), or serve:S
 #
-# The time plan (30 minutes of device time; the lease of 2026-11-25 measured a 33 s start, calls of
-# 530-560 s back to back, and 5.3 CORE steps/s: docs/results.md section 18): every training run has a
-# wall-clock budget of RUN_MINUTES (default 7; `coreply train --max-minutes`: it plans its steps from its
-# measured step and validation times, so its learning rate decays to zero and its last validation ends
-# inside the budget; at most one epoch, about 6.3 minutes of steps). The default QUEUE is what calls 1-2
-# (about 16 minutes of queue time) afford: CORE and independent training, each about one epoch at the
-# same budget; `wait` returns as soon as they are done. QUEUE=all, or names, trains the others (CORE
-# with mined negatives, the 2-layer student, the ablations), 3-minute runs of four of which the lease
-# of 2026-11-25 trained.
+# The lease of 2026-11-26 (H200; docs/results.md section 25) measured: a 35 s start, call 1 399 s for
+# CORE's run (12 s setup, 363 s the run: 9 s of tokenising, 289 s of 1,610 steps, 8 validations, the
+# saves; 20 s pack), evaluations of 55 s (CORE), 69 s (its compact reranker) and 33 s (zero-shot).
+# Every training run has a wall-clock budget of RUN_MINUTES (default 7.5; `coreply train --max-minutes`:
+# it plans its steps from its measured step and validation times, so its learning rate decays to zero
+# and its last validation ends inside the budget); at most one epoch (1,845 steps of 64 contexts, about
+# 5 minutes of steps on an H200, 6 on an H100), and early stopping after 3 validations without a gain.
+# At 7.5 minutes the epoch, not the clock, bounds a run on either card, so runs of different leases
+# follow one schedule. QUEUE picks the runs (below); its default is the one the comparison lacks.
 #
 # setup   installs .lease/ into /tmp/site in seconds (the GPU host has torch and transformers, not the
 #         project's data packages); the base weights arrive in fp16 and are widened to fp32, and adapters
@@ -38,10 +38,10 @@
 #         evaluations that follow have the GPU to themselves and their timings mean something.
 # wait:S  follows the queue for up to S seconds (returns early when it is done).
 # eval:S  protocols A and B on the first 2,000 test pairs over the full pool, every finished run in the
-#         queue's order and zero-shot last, for at most S seconds (about a minute each on an H100).
+#         queue's order and zero-shot last, for at most S seconds (about a minute each on an H200).
 # pack    copies results and every run's adapters (a few MB a run) to $OUT/lease.tgz.* with checksums:
 #         run it at the end of every call. A reranker trained in full comes back in fp16 for the runs
-#         named in PACK_FULL (default core), and as rank-PACK_RANK adapters (default 32, `coreply
+#         named in PACK_FULL (default the queue's first), and as rank-PACK_RANK adapters (default 32, `coreply
 #         compact`, ~3 MB: the form that fits in git; `eval` measures it too, as RUN-r32); other
 #         full-weight models (Dial-MAE, the grounded rankers: 60-180 MB each) stay on the machine.
 #
@@ -89,7 +89,7 @@ else
   # one epoch and RUN_MINUTES of wall clock, early stopping on validation hits@1 (every 230 steps, 8 times
   # an epoch): the reranker's on 1-of-100 lists, the retriever's over 20,000 responses (--valid-pool:
   # 1-of-N lists did not see what mined negatives gained on the full pool, docs/results.md §15-16).
-  BUDGET=(--epochs "${EPOCHS:-1}" --max-minutes "${RUN_MINUTES:-7}" --batch-size 64 --num-negatives 31 --in-batch --eval-every 230
+  BUDGET=(--epochs "${EPOCHS:-1}" --max-minutes "${RUN_MINUTES:-7.5}" --batch-size 64 --num-negatives 31 --in-batch --eval-every 230
     --valid-size 1000 --valid-candidates 100 --valid-pool 20000 --patience 3)
   # n_r = 200 cost half of an evaluation's reranking in the lease of 2026-11-25 and changed no hits@1
   EVAL=(--limit 2000 --valid-limit 500 --n-r 10 50 100)
@@ -151,17 +151,20 @@ RUNS=(
   "grounded-reciprocal|ground train --knowledge reciprocal ${GROUNDED[*]}"
 )
 
-# QUEUE picks the runs: "main" (default: the two one lease affords at RUN_MINUTES=7, so the queue ends,
-# and `wait` returns, when they are done), "all", or names ("core-plain mutual ..."). Evaluation covers
-# every run that finished, whichever queue trained it.
+# QUEUE picks the runs: "main" (default: independent training, the one run a 15-minute lease affords
+# beside CORE's of 2026-11-26, trained with the same recipe; `wait` returns when it is done), "all", or
+# names ("core core-hard ..."). Evaluation covers every run that finished, whichever queue trained it.
 case ${QUEUE:-main} in
-main) QUEUE_NAMES="core independent" ;;
+main) QUEUE_NAMES="independent" ;;
 all) QUEUE_NAMES=$(for e in "${RUNS[@]}"; do printf '%s ' "${e%%|*}"; done) ;;
 *) QUEUE_NAMES=$QUEUE ;;
 esac
 for name in $QUEUE_NAMES; do
   printf '%s\n' "${RUNS[@]}" | grep -q "^$name|" || { echo "gpu_lease.sh: QUEUE: no run named '$name'" >&2; exit 2; }
 done
+# the runs whose reranker, trained in full, comes back in fp16 and compact (pack); one call's 64 MiB holds
+# one such copy: default the queue's first run
+PACK_FULL=${PACK_FULL-${QUEUE_NAMES%% *}}
 
 queue() {  # every run of QUEUE_NAMES not yet finished, one after another
   for entry in "${RUNS[@]}"; do
@@ -399,7 +402,7 @@ print(int(os.path.getmtime(sys.argv[1]) + m * 60 + 60) if m else 0)" "$cfg")
     end=$((SECONDS + end))
     for entry in "${RUNS[@]}"; do names+=("${entry%%|*}"); done
     for name in "${names[@]}" zero-shot; do  # the queue's order, zero-shot last
-      [ -f "$LEASE/eval-$name.json" ] && [[ " ${PACK_FULL-core} " != *" $name "* ]] && continue
+      [ -f "$LEASE/eval-$name.json" ] && [[ " $PACK_FULL " != *" $name "* ]] && continue
       [ "$name" = dial-mae ] && continue  # an encoder to fine-tune from, not a retriever
       if [[ $name == grounded-* ]]; then  # protocol A with the knowledge each ranker reads, vs none
         [ -f "$LEASE/$name/summary.json" ] && [ ! -f "$LEASE/ground-eval-$name.json" ] || continue
@@ -426,7 +429,7 @@ print(int(os.path.getmtime(sys.argv[1]) + m * 60 + 60) if m else 0)" "$cfg")
         echo "eval $name failed or cut off" >>"$LEASE/queue.log"
       # right after it, for PACK_FULL's runs, the compact form the default would ship (see pack)
       local small="$LEASE/$name/cross-r$PACK_RANK"
-      [[ " ${PACK_FULL-core} " == *" $name "* ]] && [ -f "$LEASE/eval-$name.json" ] || continue
+      [[ " $PACK_FULL " == *" $name "* ]] && [ -f "$LEASE/eval-$name.json" ] || continue
       [ -f "$LEASE/$name/cross/model.safetensors" ] && [ ! -f "$LEASE/eval-$name-r$PACK_RANK.json" ] || continue
       left=$((end - SECONDS))
       [ $left -gt 60 ] || { echo "eval: out of time before $name-r$PACK_RANK"; break; }
@@ -448,10 +451,10 @@ print(int(os.path.getmtime(sys.argv[1]) + m * 60 + 60) if m else 0)" "$cfg")
     rm -f "$out"/lease.tgz.*
     # A reranker that trained every weight (90 MB) comes back as an fp16 copy, cross-fp16/ (45 MB), of
     # its best checkpoint so far (a run cut off still returns one): those of PACK_FULL's runs (default
-    # core; one call's 64 MiB holds one), e.g. PACK_FULL=independent in the last call when the report
+    # the queue's first), e.g. PACK_FULL=independent in the last call when the report
     # favours its reranker. Other full-weight models stay on the machine. A failed copy never stops pack.
     # Beside it, cross-rR/: the same as rank-R adapters, the form that can ship (see copies).
-    for name in ${PACK_FULL-core}; do
+    for name in $PACK_FULL; do
       copies "$name" || echo "pack: no fp16 or compact copy of $name's reranker" >&2
     done
     (cd runs && find "$(basename "$LEASE")" -name state -prune -o -type f ! -name '*.tmp' \
