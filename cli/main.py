@@ -1015,7 +1015,7 @@ def _cmd_compact(args: argparse.Namespace) -> int:
     size = sum(f.stat().st_size for f in Path(args.out).iterdir() if f.is_file())
     print(
         f"{args.out}: {size / 2**20:.1f} MiB; kept {100 * kept['kept']:.1f} % of the linear layers' change "
-        f"(worst layer {100 * kept['worst_kept']:.1f} %); dropped the embeddings' change "
+        f"(worst layer {100 * kept['worst_kept']:.1f} %); dropped the word embeddings' change "
         f"({100 * kept['embedding_change']:.2f} % of their norm)"
     )
     return 0

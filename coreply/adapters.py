@@ -85,11 +85,13 @@ def extract_lora(model: nn.Module, tuned: nn.Module, rank: int) -> dict[str, flo
     """Turn ``model`` (the base, in place) into a rank-``rank`` adapter model that approximates ``tuned``,
     the same architecture fine-tuned in full: each linear weight's change ``W_tuned - W_base`` becomes
     its best rank-``rank`` approximation (truncated SVD, ``alpha = rank`` so the scale is 1); biases,
-    LayerNorms and heads are copied; the embeddings' change is dropped (adapters keep them frozen).
+    LayerNorms, heads and the small embedding tables (positions and token types, which a reranker
+    retrains to tell the response from the context) are copied whole; the word embeddings' change is
+    dropped (a vocabulary-sized table; adapters keep it frozen).
 
     Returns what was kept: ``kept`` and ``worst_kept``, the share of the linear changes' squared
     Frobenius norm kept over all layers and in the worst one, and ``embedding_change``, the dropped
-    change's norm relative to the embeddings' norm."""
+    change's norm relative to the word embeddings' norm."""
     tuned_params = dict(tuned.named_parameters())
     if set(tuned_params) != {name for name, _ in model.named_parameters()}:
         raise ValueError("the fine-tuned model and the base are not the same architecture")
@@ -98,6 +100,9 @@ def extract_lora(model: nn.Module, tuned: nn.Module, rank: int) -> dict[str, flo
     if not 1 <= rank <= smallest:
         raise ValueError(f"rank must be in [1, {smallest}] (the smallest linear layer's size), got {rank}")
     add_lora(model, rank, float(rank))
+    for name, param in model.named_parameters():  # stored whole beside the adapters (load_weights reads them)
+        if "embeddings" in name and not name.endswith("word_embeddings.weight"):
+            param.requires_grad_(True)
     kept = total = 0.0
     worst = 1.0
     for name, module in model.named_modules():
