@@ -55,7 +55,9 @@ def save_weights(model: nn.Module, path: Path, state: dict[str, torch.Tensor] | 
 
 def load_weights(model: nn.Module, path: Path, expected: dict[str, torch.Tensor] | None = None) -> None:
     """Load :func:`save_weights` output; every tensor of ``expected`` (default: the state dict) must be
-    stored or alias a stored one, and nothing else may be stored."""
+    stored or alias a stored one, and nothing the model lacks may be stored. A stored tensor of the model
+    beyond ``expected`` is loaded too: a compact checkpoint keeps frozen embedding tables that way
+    (:func:`coreply.adapters.extract_lora`)."""
     tensors = load_file(str(path))
     _, unexpected = model.load_state_dict(tensors, strict=False)
     params = model.state_dict(keep_vars=True)
