@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import platform
 import re
 import time
@@ -34,6 +35,8 @@ from evaluation.protocols import (
 )
 from evaluation.restatement import RestatementJudge
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class EvalSpec:
@@ -64,6 +67,14 @@ def run_eval(spec: EvalSpec) -> dict[str, Any]:
     """Evaluate and return {'meta', 'A': [rows], 'B': [rows], 'sweep': [...]}; rows keep per-case ranks."""
     bi = load_bi(spec.bi, spec.device) if spec.bi else None
     cross = load_checkpoint(spec.cross, spec.device, expect="cross") if spec.cross else None
+    residual_to = read_meta(spec.cross, verify=False)["extra"].get("residual_to") if spec.cross else None
+    if residual_to and residual_to != getattr(bi, "content_hash", None):
+        log.warning(
+            "%s corrects retriever %s, not %s: its sum rows mean little",
+            spec.cross,
+            residual_to[:12],
+            spec.bi,
+        )
     bi_name = _label(spec.bi, "Bi")
     cross_name = _label(spec.cross, "Cross")
     poly_name = _label(spec.bi, "Poly")  # a Poly-encoder's code scores (its pooled vector is bi_name)
@@ -216,6 +227,8 @@ def _label(path: str | None, kind: str) -> str:
     parts = [{"core": "CORE", "mutual": "mutual", "distill": "distill"}.get(train_config.get("mode", ""), "")]
     if train_config.get("hard_negatives"):
         parts.append("hard")
+    if train_config.get("cross_residual"):
+        parts.append("residual")  # its scores correct its retriever's: the 'sum' rows are the reranker
     if train_config.get("own_turn_negatives") or train_config.get("paraphrase_negatives"):
         parts.append("restate")  # restatement negatives (training/sampling.py)
     suffix = "+".join(p for p in parts if p)

@@ -174,6 +174,14 @@ def build_bundle(
             "onnx": None if onnx == "none" else onnx,
             "onnx_int8": INT8 if onnx == "int8" else None,
         }
+        residual_to = manifest["models"]["cross"]["training"].get("residual_to") if cross else None
+        if residual_to:  # a correction to one retriever's scores (--cross-residual): served as their sum
+            if residual_to != getattr(bi_model, "content_hash", None):
+                raise ValueError(
+                    f"--cross {cross} was trained as a correction to retriever {residual_to[:12]}, not to "
+                    f"--bi {bi}: build the bundle with that retriever"
+                )
+            manifest["fusion"] = {"default": "sum"}
         if knowledge_retriever:
             manifest["models"]["knowledge"] = _model_entry(tmp / "knowledge", knowledge_retriever)
         if grounded:
@@ -210,7 +218,7 @@ def build_bundle(
             np.save(tmp / PRIOR, bundle.prior.values)
         ranking = pipeline(bundle, backend, search)
         if ranking.reranker is not None and calibration:
-            manifest["fusion"] = calibrate_zscore(ranking, calibration)
+            manifest["fusion"] = {**manifest.get("fusion", {}), **calibrate_zscore(ranking, calibration)}
         import faiss
 
         faiss.write_index(index, str(tmp / INDEX))

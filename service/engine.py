@@ -42,7 +42,8 @@ class Engine:
         self.threads = threads  # intra-op threads of the backend
         self.active = 0  # requests in respond() now (a replaced engine stops when this reaches 0)
         self.pipeline = pipeline(bundle, backend)
-        self.default_fusion = "zscore" if self.pipeline.reranker else "retrieval"
+        fallback = "zscore" if self.pipeline.reranker else "retrieval"
+        self.default_fusion = bundle.manifest.get("fusion", {}).get("default", fallback)  # a residual: sum
         self.cascade = (
             Cascade(
                 settings.cascade_high_ms,

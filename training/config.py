@@ -54,6 +54,10 @@ HELP = {
     "init_bi": "start the retriever from this checkpoint instead of the base model (with --lora-rank: an "
     "adapter checkpoint of that rank, whose adapters train on); in a run that trains only the reranker, "
     "the frozen retriever that mines its hard and paraphrase negatives",
+    "cross_residual": "train the reranker as a correction to the frozen --init-bi retriever (with --mode "
+    "independent --models cross): a list's scores are the retriever's plus the reranker's, so it learns what "
+    "the retriever gets wrong instead of relearning what it knows; its new head starts at zero, i.e. as the "
+    "retriever. Serve it with sum fusion behind that retriever (the checkpoint names it by hash)",
     "init_cross": "start the reranker from this checkpoint instead of the base model (with --lora-rank: an "
     "adapter checkpoint of that rank, whose adapters train on)",
     "lora_rank": "> 0: train low-rank adapters (+ biases, norms, heads) instead of every weight; checkpoints "
@@ -116,6 +120,7 @@ class TrainConfig:
     teacher: str | None = None
     init_bi: str | None = None
     init_cross: str | None = None
+    cross_residual: bool = False
     lora_rank: int = 0
     cross_lora_rank: int | None = None
     lora_alpha: float = 16.0
@@ -168,6 +173,12 @@ class TrainConfig:
             positive=POSITIVE,
             fraction=("warmup_ratio",),
         )
+        reranker_alone = self.mode == "independent" and self.models == "cross"
+        if self.cross_residual and not (reranker_alone and self.init_bi):
+            raise ValueError(
+                "cross_residual (--cross-residual) trains a reranker as a correction to one frozen "
+                "retriever: use it with --mode independent --models cross --init-bi CHECKPOINT"
+            )
         if self.valid_candidates < 2:
             n = self.valid_candidates
             raise ValueError(f"valid_candidates (--valid-candidates) must be >= 2, got {n}")

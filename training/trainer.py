@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import distributed as dist
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
@@ -35,7 +36,7 @@ from coreply.artifacts import write_json_atomic
 from coreply.checkpoint import load_checkpoint, save_checkpoint
 from coreply.corpus import NegativeSampler, Pair
 from coreply.device import autocast, resolve_device
-from coreply.models import BiEncoder, CrossEncoder, PolyEncoder, poly_scores, retriever_class
+from coreply.models import BiEncoder, CrossEncoder, MLPHead, PolyEncoder, poly_scores, retriever_class
 from coreply.text import normalize
 from coreply.tokenization import Batch, DialogueTokenizer, token_budget_chunks
 from evaluation.protocols import evaluate_lists, evaluate_pool, pool_for_eval, protocol_a_lists
@@ -200,6 +201,13 @@ class Trainer:
         self.valid_pool = self._valid_pool(config, negative_pool, valid)
         self.out = Path(config.output_dir)
         self.bi, self.cross, self.teacher = self._build_models()
+        mined = config.hard_negatives + config.paraphrase_negatives
+        # A run that trains no retriever mines its negatives with, and a residual reranker corrects, a
+        # frozen one (--init-bi).
+        self.frozen_bi = (
+            self._frozen_retriever(config) if self.bi is None and (mined or config.cross_residual) else None
+        )
+        self.mining_bi = self.bi if self.bi is not None else self.frozen_bi
         self.tokenize_seconds = self._warm_tokenizers(negative_pool)
         self.global_batch = config.batch_size * config.grad_accum * self.world
         self.steps_per_epoch = max(1, len(self.train_pairs) // self.global_batch)
@@ -219,7 +227,6 @@ class Trainer:
             self.optimizers[name] = opt
             self.schedulers[name] = warmup_linear(opt, lambda: self.total_steps, config.warmup_ratio)
             self.wrapped[name] = DistributedDataParallel(model) if self.world > 1 else model
-        mined = config.hard_negatives + config.paraphrase_negatives
         self.miner = (
             HardNegativeMiner(
                 negative_pool,
@@ -232,9 +239,6 @@ class Trainer:
             if mined
             else None
         )
-        self.mining_bi = self.bi
-        if mined and self.bi is None:
-            self.mining_bi = self._frozen_retriever(config)
         # The miner's refresh (a retriever pass) runs on this thread in _take; the prefetch thread only
         # looks its tables up.
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="prefetch") if config.prefetch else None
@@ -286,6 +290,10 @@ class Trainer:
         if cfg.trains_cross:
             plain = replace(cfg.model, poly_codes=0)
             cross = self._start("cross", cfg.init_cross, lambda: CrossEncoder.from_pretrained(plain))
+            if cfg.cross_residual and not cfg.init_cross and isinstance(cross.head, MLPHead):
+                last = cross.head[-1]  # a residual reranker starts as its retriever: a correction of 0
+                nn.init.zeros_(last.weight)
+                nn.init.zeros_(last.bias)
         if cfg.mode == "distill":
             teacher = load_checkpoint(cfg.teacher, expect="cross").to(self.device).eval()
             teacher.requires_grad_(False)
@@ -297,7 +305,8 @@ class Trainer:
 
     def _frozen_retriever(self, cfg: TrainConfig) -> BiEncoder:
         """A reranker-only run mines its hard and paraphrase negatives with ``--init-bi``'s retriever,
-        frozen: the candidates it will rerank when served behind that retriever."""
+        frozen: the candidates it will rerank when served behind that retriever; a residual reranker
+        (``--cross-residual``) adds its scores to that retriever's."""
         if not cfg.init_bi:
             raise ValueError(
                 "hard and paraphrase negatives are mined by a retriever: this run trains none, so name the "
@@ -337,7 +346,7 @@ class Trainer:
         start = time.perf_counter()
         texts = [t for p in self.train_pairs for t in (*p.context, p.response)] + list(pool)
         warmed: list[DialogueTokenizer] = []
-        for model in (self.bi, self.cross, self.teacher):
+        for model in (self.bi, self.frozen_bi, self.cross, self.teacher):
             if model is None:
                 continue
             if not any(model.tokenizer.share_cache(w) for w in warmed):
@@ -384,8 +393,9 @@ class Trainer:
         mb = MicroBatch(pairs, lists)
         contexts = [p.context for p in pairs]
         budget = self.cfg.max_batch_tokens
-        if self.bi is not None:
-            tok = self.bi.tokenizer
+        retriever = self.bi if self.bi is not None else self.frozen_bi if self.cfg.cross_residual else None
+        if retriever is not None:
+            tok = retriever.tokenizer
             mb.contexts = single_chunks(tok, tok.context_bodies(contexts), budget)
             mb.responses = single_chunks(tok, tok.response_bodies([t for ts in lists for t in ts]), budget)
         if self.cross is not None:
@@ -439,12 +449,15 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------ scores
 
-    def _bi_scores(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _bi_scores(
+        self, mb: MicroBatch, model: torch.nn.Module | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> own-list scores R [B, N] (what the partner learns from and teaches) and the retriever's
-        list-wise CE (over every list with in-batch negatives). A Poly-encoder's R are its poly scores;
-        its CE trains the pooled vector (which retrieves) and the codes (which rescore) together."""
+        list-wise CE (over every list with in-batch negatives) of ``model`` (default the trained retriever).
+        A Poly-encoder's R are its poly scores; its CE trains the pooled vector (which retrieves) and the
+        codes (which rescore) together."""
         b, n = len(mb.lists), len(mb.lists[0])
-        ctx, resp = self.wrapped["bi"](
+        ctx, resp = (model or self.wrapped["bi"])(
             [chunk.to(self.device, non_blocking=True) for _, chunk in mb.contexts],
             [chunk.to(self.device, non_blocking=True) for _, chunk in mb.responses],
         )
@@ -488,6 +501,10 @@ class Trainer:
                 if R is not None:
                     self._backward("bi", R_ce, None, scale, logs)
                 if G is not None:
+                    if cfg.cross_residual:  # the list's scores: the frozen retriever's plus the correction
+                        with torch.no_grad():
+                            base = self._bi_scores(mb, self.frozen_bi)[0]  # [B, N]
+                        G = G + base
                     self._backward("cross", listwise_ce(G), None, scale, logs)
             elif cfg.mode == "distill":
                 with torch.no_grad():
@@ -573,7 +590,8 @@ class Trainer:
         for m in (self.bi, self.cross):
             if m is not None:
                 m.eval()
-        result = evaluate_lists(self.valid_pairs, self.valid_lists, self.bi, self.cross)
+        retriever = self.frozen_bi if self.cfg.cross_residual else self.bi  # a residual reranker's: its sum
+        result = evaluate_lists(self.valid_pairs, self.valid_lists, retriever, self.cross)
         if self.valid_pool and self.bi is not None:
             result["bi_pool"] = evaluate_pool(self.valid_pairs, self.valid_pool, self.bi)
         for m in (self.bi, self.cross):
@@ -584,7 +602,9 @@ class Trainer:
     # ------------------------------------------------------------------------------------ state
 
     def _provenance(self, valid: dict[str, Any] | None = None) -> dict[str, Any]:
+        residual = {"residual_to": self.frozen_bi.content_hash} if self.cfg.cross_residual else {}
         return {
+            **residual,
             "train_config": asdict(self.cfg),
             "step": self.step,
             "examples_seen": self.examples_seen,
@@ -670,6 +690,8 @@ class Trainer:
         """The validation row whose hits@1 chooses ``name``'s checkpoint."""
         if isinstance(model, PolyEncoder):
             return "poly"
+        if name == "cross" and self.cfg.cross_residual:
+            return "sum"  # the retriever's scores plus the correction: what the reranker ranks by
         return "bi_pool" if name == "bi" and self.valid_pool else name
 
     def _after_eval(self, valid: dict[str, dict[str, float]]) -> bool:

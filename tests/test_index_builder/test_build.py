@@ -539,3 +539,32 @@ def test_added_responses_get_the_median_prior_and_a_bad_prior_file_is_refused(tm
     )
     with pytest.raises(BundleError, match=r"prior\.npy must hold one finite float32 per response \(15\)"):
         load_bundle(tmp_path / "resealed")
+
+
+def test_a_residual_reranker_is_served_as_a_sum_behind_its_own_retriever_only(
+    tmp_path, tiny_core, tiny_model_dir, toy_pairs
+):
+    """A reranker trained with --cross-residual corrects one retriever's scores: a bundle with another
+    retriever is refused, and with its own one the default fusion is their sum."""
+    from conftest import train_toy
+
+    from coreply.config import ModelConfig
+    from service.app import create_app
+    from service.settings import Settings
+
+    model = ModelConfig(base_model=str(tiny_model_dir), dropout=0.0)
+    train_toy(tmp_path / "res", model, toy_pairs, mode="independent", models="cross", cross_residual=True,
+              init_bi=str(tiny_core / "bi"), max_steps=4, eval_every=4)  # fmt: skip
+    cross = str(tmp_path / "res" / "cross")
+    with pytest.raises(ValueError, match="correction to retriever"):
+        build_bundle(tmp_path / "other", toy_pool(), cross=cross, onnx="none", progress=False)  # zero-shot
+    assert not (tmp_path / "other").exists()
+    build_bundle(tmp_path / "b", toy_pool(), bi=str(tiny_core / "bi"), cross=cross, onnx="none",
+                 calibration=toy_pairs[:8], progress=False)  # fmt: skip
+    fusion = load_bundle(tmp_path / "b").manifest["fusion"]
+    assert fusion["default"] == "sum" and "zscore_weight" in fusion
+    from fastapi.testclient import TestClient
+
+    with TestClient(create_app(Settings(bundle=tmp_path / "b", threads=1, backend="torch"))) as client:
+        got = client.post("/respond", json={"context": list(toy_pairs[0].context), "top_k": 2})
+    assert got.status_code == 200 and got.json()["fusion"] == "sum"

@@ -138,6 +138,55 @@ def test_a_reranker_alone_learns_from_negatives_a_frozen_retriever_mines(tmp_pat
     assert all(torch.equal(a, b) for a, b in zip(before, retriever.parameters(), strict=True))
 
 
+def test_a_residual_reranker_learns_the_frozen_retrievers_mistakes(tmp_path, tiny_model_dir, toy_pairs):
+    """``--cross-residual``: a list's scores are the frozen retriever's plus the reranker's; the new head
+    starts at zero (the pair ranks as the retriever does), the loss is the CE of the sum, validation
+    chooses by the sum, and the checkpoint names the retriever it corrects."""
+    Trainer(
+        config(tmp_path, tiny_model_dir, mode="independent", models="bi"), toy_pairs, [], pool_of(toy_pairs)
+    ).fit()
+    retriever_dir = tmp_path / "run" / "bi"
+    for wrong in (dict(models="both"), dict(mode="core"), dict(init_bi=None)):
+        with pytest.raises(ValueError, match="--cross-residual"):
+            config(tmp_path, tiny_model_dir, **{**dict(mode="independent", models="cross",
+                   init_bi=str(retriever_dir), cross_residual=True), **wrong})  # fmt: skip
+    cfg = config(
+        tmp_path,
+        tiny_model_dir,
+        mode="independent",
+        models="cross",
+        init_bi=str(retriever_dir),
+        cross_residual=True,
+        output_dir=str(tmp_path / "res"),
+    )
+    trainer = Trainer(cfg, toy_pairs, toy_pairs[:8], pool_of(toy_pairs))
+    assert trainer.bi is None and not any(p.requires_grad for p in trainer.frozen_bi.parameters())
+    trainer.cross.eval()
+    pairs, rng = trainer._global_batch(0, 0)
+    mb = trainer._micro_batch(pairs, trainer._candidate_lists(pairs, rng))
+    G = trainer._cross_scores(trainer.cross, mb.cross, mb.lists)  # [B, N]
+    assert torch.equal(G, torch.zeros_like(G))  # the head's last layer starts at zero
+    trainer._micro_step(mb, 1.0, StepLosses())
+    got = [p.grad.clone() for p in trainer.cross.parameters()]
+    R = trainer._bi_scores(mb, trainer.frozen_bi)[0].detach()
+    params = list(trainer.cross.parameters())
+    want = torch.autograd.grad(listwise_ce(G + R), params, allow_unused=True, retain_graph=True)
+    plain = torch.autograd.grad(listwise_ce(G), params, allow_unused=True)
+    for g, w in zip(got, want, strict=True):
+        assert torch.allclose(g, torch.zeros_like(g) if w is None else w, atol=1e-6)
+    assert not torch.allclose(got[-2], plain[-2])  # the head's last weight: the retriever's scores count
+    trainer.cross.train()
+    for p in trainer.cross.parameters():
+        p.grad = None
+
+    summary = trainer.fit()
+    first = records(tmp_path / "res")[0]["valid"]
+    assert first["sum"] == first["bi"]  # at step 0 the reranker ranks as its retriever
+    assert summary["selected_by"] == {"cross": "sum"}
+    meta = json.loads((tmp_path / "res" / "cross" / "checkpoint.json").read_text())
+    assert meta["extra"]["residual_to"] == load_checkpoint(retriever_dir, expect="bi").content_hash
+
+
 def test_distill_into_a_smaller_cross_encoder(tmp_path, tiny_model_dir, toy_pairs):
     """``--models cross``: a 1-layer reranker learns CE + gamma_G * KL(teacher || student); the teacher
     (the 2-layer reranker trained alone) stays frozen."""
