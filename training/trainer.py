@@ -457,7 +457,7 @@ class Trainer:
         A Poly-encoder's R are its poly scores; its CE trains the pooled vector (which retrieves) and the
         codes (which rescore) together."""
         b, n = len(mb.lists), len(mb.lists[0])
-        ctx, resp = (model or self.wrapped["bi"])(
+        ctx, resp = (self.wrapped["bi"] if model is None else model)(
             [chunk.to(self.device, non_blocking=True) for _, chunk in mb.contexts],
             [chunk.to(self.device, non_blocking=True) for _, chunk in mb.responses],
         )
