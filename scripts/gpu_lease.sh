@@ -9,7 +9,7 @@
 # line of stages, ending with `pack`. A lease is 15 minutes of device time; the calls go back to back
 # (a machine left idle 30 s goes back), each with a timeout that leaves the next one its share:
 #
-#   bash scripts/gpu_lease.sh setup train wait:540 pack   # call 1, timeout_s 590: one run, ~400 s
+#   bash scripts/gpu_lease.sh setup train wait:500 pack   # call 1, timeout_s 590: one run, ~400 s
 #   bash scripts/gpu_lease.sh setup eval:S pack           # call 2, S = budget_left_s - 90 (~1 min a run)
 #   bash scripts/gpu_lease.sh setup speed:S pack          # call 3 with what is left (>= 200 s), or serve:S
 #
