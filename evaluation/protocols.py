@@ -233,13 +233,40 @@ def pool_for_eval(
     return golds + [rest[i] for i in sorted(take)]
 
 
-def evaluate_pool(pairs: Sequence[Pair], pool: Sequence[str], bi: BiEncoder) -> dict[str, Any]:
-    """Protocol B for the retriever alone over ``pool`` (echo-free, unguarded): {'metrics', 'ranks'}."""
+POOL_N_R = 10
+"""How many of the retriever's first candidates a training validation's pool lets the reranker reorder
+(protocol B is decided at n_r = 10)."""
+
+
+def recall_pool(pairs: Sequence[Pair], pool: Sequence[str], bi: BiEncoder) -> Retrieved:
+    """The retriever's first ``max(KS)`` echo-free candidates over ``pool`` for each pair (unguarded)."""
     keys = [normalize(t) for t in pool]
-    depth = max(KS)
-    got = retrieve_and_rerank(pairs, Pipeline(DenseRetriever(bi, pool), pool, keys), depth, 0)
-    ranks = ranks_for(pairs, keys, got, "retrieval", depth)
-    return {"metrics": summarize(ranks), "ranks": ranks}
+    return retrieve_and_rerank(pairs, Pipeline(DenseRetriever(bi, pool), pool, keys), max(KS), 0)
+
+
+def evaluate_pool(
+    pairs: Sequence[Pair],
+    pool: Sequence[str],
+    got: Retrieved,
+    cross: CrossEncoder | None = None,
+    n_r: int = POOL_N_R,
+) -> dict[str, dict[str, Any]]:
+    """Protocol B over ``pool`` from a :func:`recall_pool`: {'bi_pool': {'metrics', 'ranks'}} in the
+    retriever's order and, with ``cross``, 'cross_pool' and 'sum_pool': its first ``n_r`` reordered by
+    the reranker's scores and by their sum with the retriever's (a gold outside them is not found)."""
+    keys = [normalize(t) for t in pool]
+    fusions = {"bi_pool": ("retrieval", max(KS))}
+    if cross is not None:
+        lists = [[pool[i] for i in c.ids[:n_r]] for c in got.candidates]
+        scored = score_lists_cross(cross, [p.context for p in pairs], lists)
+        reranked = [replace(c, rerank=s) for c, s in zip(got.candidates, scored, strict=True)]
+        got = replace(got, candidates=reranked)
+        fusions |= {"cross_pool": ("rerank", n_r), "sum_pool": ("sum", n_r)}
+    out = {}
+    for name, (fusion, depth) in fusions.items():
+        ranks = ranks_for(pairs, keys, got, fusion, depth)
+        out[name] = {"metrics": summarize(ranks), "ranks": ranks}
+    return out
 
 
 def choose_zscore_weight(pairs: Sequence[Pair], pool_keys: Sequence[str], got: Retrieved, n_r: int) -> float:

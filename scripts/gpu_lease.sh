@@ -88,7 +88,8 @@ else
   # The paper's lists (1 gold + 31 negatives), batch 64 with in-batch negatives for the retriever, at most
   # one epoch and RUN_MINUTES of wall clock, early stopping on validation hits@1 (every 230 steps, 8 times
   # an epoch): the reranker's on 1-of-100 lists, the retriever's over 20,000 responses (--valid-pool:
-  # 1-of-N lists did not see what mined negatives gained on the full pool, docs/results.md §15-16).
+  # 1-of-N lists did not see what mined negatives gained on the full pool, docs/results.md §15-16), a
+  # residual reranker's by its sum with its retriever over that retriever's first 10 of the 20,000.
   BUDGET=(--epochs "${EPOCHS:-1}" --max-minutes "${RUN_MINUTES:-7.5}" --batch-size 64 --num-negatives 31 --in-batch --eval-every 230
     --valid-size 1000 --valid-candidates 100 --valid-pool 20000 --patience 3)
   # n_r = 200 cost half of an evaluation's reranking in the lease of 2026-11-25 and changed no hits@1

@@ -39,7 +39,14 @@ from coreply.device import autocast, resolve_device
 from coreply.models import BiEncoder, CrossEncoder, MLPHead, PolyEncoder, poly_scores, retriever_class
 from coreply.text import normalize
 from coreply.tokenization import Batch, DialogueTokenizer, token_budget_chunks
-from evaluation.protocols import evaluate_lists, evaluate_pool, pool_for_eval, protocol_a_lists
+from evaluation.protocols import (
+    Retrieved,
+    evaluate_lists,
+    evaluate_pool,
+    pool_for_eval,
+    protocol_a_lists,
+    recall_pool,
+)
 from training.config import TrainConfig
 from training.losses import kl_to_target, listwise_ce
 from training.sampling import HardNegativeMiner, epoch_order, own_turn_negatives, step_rng
@@ -205,8 +212,11 @@ class Trainer:
         # A run that trains no retriever mines its negatives with, and a residual reranker corrects, a
         # frozen one (--init-bi).
         self.frozen_bi = (
-            self._frozen_retriever(config) if self.bi is None and (mined or config.cross_residual) else None
+            self._frozen_retriever(config)
+            if self.bi is None and (mined or config.cross_residual or self.valid_pool)
+            else None
         )
+        self._frozen_recall: Retrieved | None = None  # the frozen retriever's over the validation pool
         self.mining_bi = self.bi if self.bi is not None else self.frozen_bi
         self.tokenize_seconds = self._warm_tokenizers(negative_pool)
         self.global_batch = config.batch_size * config.grad_accum * self.world
@@ -265,8 +275,10 @@ class Trainer:
         """The responses ``--valid-pool`` ranks each validation gold among (none without it)."""
         if not config.valid_pool or not self.valid_pairs:
             return []
-        if not config.trains_bi:
-            log.warning("--valid-pool ignored: it ranks with the retriever, which this run does not train")
+        if not (config.trains_bi or config.init_bi):
+            log.warning(
+                "--valid-pool ignored: it ranks with a retriever, and this run neither trains nor has one"
+            )
             return []
         golds = len({normalize(p.response) for p in self.valid_pairs})
         if config.valid_pool <= golds:
@@ -306,7 +318,7 @@ class Trainer:
     def _frozen_retriever(self, cfg: TrainConfig) -> BiEncoder:
         """A reranker-only run mines its hard and paraphrase negatives with ``--init-bi``'s retriever,
         frozen: the candidates it will rerank when served behind that retriever; a residual reranker
-        (``--cross-residual``) adds its scores to that retriever's."""
+        (``--cross-residual``) adds its scores to that retriever's; ``--valid-pool`` reranks its recall."""
         if not cfg.init_bi:
             raise ValueError(
                 "hard and paraphrase negatives are mined by a retriever: this run trains none, so name the "
@@ -592,12 +604,21 @@ class Trainer:
                 m.eval()
         retriever = self.frozen_bi if self.cfg.cross_residual else self.bi  # a residual reranker's: its sum
         result = evaluate_lists(self.valid_pairs, self.valid_lists, retriever, self.cross)
-        if self.valid_pool and self.bi is not None:
-            result["bi_pool"] = evaluate_pool(self.valid_pairs, self.valid_pool, self.bi)
+        if self.valid_pool:
+            result |= evaluate_pool(self.valid_pairs, self.valid_pool, self._pool_recall(), self.cross)
         for m in (self.bi, self.cross):
             if m is not None:
                 m.train()
         return {name: r["metrics"] for name, r in result.items()}
+
+    def _pool_recall(self) -> Retrieved:
+        """The retriever's candidates over the validation pool: the trained one's anew, a frozen one's
+        once."""
+        if self.bi is not None:
+            return recall_pool(self.valid_pairs, self.valid_pool, self.bi)
+        if self._frozen_recall is None:
+            self._frozen_recall = recall_pool(self.valid_pairs, self.valid_pool, self.frozen_bi)
+        return self._frozen_recall
 
     # ------------------------------------------------------------------------------------ state
 
@@ -690,9 +711,10 @@ class Trainer:
         """The validation row whose hits@1 chooses ``name``'s checkpoint."""
         if isinstance(model, PolyEncoder):
             return "poly"
-        if name == "cross" and self.cfg.cross_residual:
-            return "sum"  # the retriever's scores plus the correction: what the reranker ranks by
-        return "bi_pool" if name == "bi" and self.valid_pool else name
+        pool = "_pool" if self.valid_pool else ""
+        if name == "cross" and self.cfg.cross_residual:  # the retriever's scores plus the correction, over
+            return "sum" + pool  # the pool: its first candidates as served behind that retriever
+        return "bi_pool" if name == "bi" and pool else name
 
     def _after_eval(self, valid: dict[str, dict[str, float]]) -> bool:
         """Save new bests; returns True when training should stop early."""

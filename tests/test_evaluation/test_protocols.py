@@ -12,6 +12,7 @@ from evaluation.protocols import (
     DenseRetriever,
     Retrieved,
     evaluate_lists,
+    evaluate_pool,
     protocol_a_lists,
     ranks_for,
     retrieve_and_rerank,
@@ -46,6 +47,26 @@ def test_ranks_for_rerank_and_sum_and_retrieval():
     assert ranks_for(pairs, keys, got, "rerank", 3) == [1.0, float("inf")]
     assert ranks_for(pairs, keys, got, "sum", 3) == [1.0, float("inf")]  # 6 vs 3, 2
     assert ranks_for(pairs, keys, got, "rerank", 2) == [float("inf"), float("inf")]  # gold beyond n_r
+
+
+def test_evaluate_pool_reranks_only_the_retrievers_first_n_r():
+    pool = [f"reply {i}" for i in range(12)]
+    pairs = [Pair(("q",), "reply 3"), Pair(("q",), "reply 11")]  # retrieved 4th, and 12th: beyond n_r
+    ids = np.arange(12)
+    got = Retrieved([Candidates(ids, 0.1 * (12 - ids)) for _ in pairs], retrieve_s=0.0, rerank_s=0.0)
+    seen = []
+
+    class GoldFinder:  # a reranker that scores each context's gold 1, anything else 0
+        def score_pairs(self, contexts, responses):
+            seen.extend(responses)
+            return torch.tensor([float(r in ("reply 3", "reply 11")) for r in responses])
+
+    out = evaluate_pool(pairs, pool, got, GoldFinder(), n_r=10)
+    assert len(seen) == 20 and "reply 11" not in seen
+    assert out["bi_pool"]["ranks"] == [4.0, 12.0]
+    assert out["cross_pool"]["ranks"] == out["sum_pool"]["ranks"] == [1.0, float("inf")]
+    assert out["sum_pool"]["metrics"]["hits@1"] == 50.0
+    assert set(evaluate_pool(pairs, pool, got)) == {"bi_pool"}
 
 
 def test_bm25_finds_the_lexically_matching_response():

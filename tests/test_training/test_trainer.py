@@ -6,11 +6,13 @@ import numpy as np
 import pytest
 import torch
 
+import training.trainer as trainer_module
 from coreply.adapters import trainable_state
 from coreply.checkpoint import load_checkpoint
 from coreply.config import ModelConfig
 from coreply.corpus import NegativeSampler
 from coreply.text import normalize
+from evaluation.protocols import recall_pool
 from training.config import TrainConfig
 from training.losses import kl_to_target, listwise_ce
 from training.sampling import HardNegativeMiner
@@ -138,7 +140,9 @@ def test_a_reranker_alone_learns_from_negatives_a_frozen_retriever_mines(tmp_pat
     assert all(torch.equal(a, b) for a, b in zip(before, retriever.parameters(), strict=True))
 
 
-def test_a_residual_reranker_learns_the_frozen_retrievers_mistakes(tmp_path, tiny_model_dir, toy_pairs):
+def test_a_residual_reranker_learns_the_frozen_retrievers_mistakes(
+    tmp_path, tiny_model_dir, toy_pairs, monkeypatch
+):
     """``--cross-residual``: a list's scores are the frozen retriever's plus the reranker's; the new head
     starts at zero (the pair ranks as the retriever does), the loss is the CE of the sum, validation
     chooses by the sum, and the checkpoint names the retriever it corrects."""
@@ -185,6 +189,19 @@ def test_a_residual_reranker_learns_the_frozen_retrievers_mistakes(tmp_path, tin
     assert summary["selected_by"] == {"cross": "sum"}
     meta = json.loads((tmp_path / "res" / "cross" / "checkpoint.json").read_text())
     assert meta["extra"]["residual_to"] == load_checkpoint(retriever_dir, expect="bi").content_hash
+
+    # With a validation pool, the reranker reorders the frozen retriever's recall there (made once) and
+    # is kept by the sum's hits@1 on it: its candidates as served behind that retriever.
+    recalls = []
+    monkeypatch.setattr(trainer_module, "recall_pool", lambda *a: recalls.append(a) or recall_pool(*a))
+    cfg = replace(cfg, valid_pool=10, output_dir=str(tmp_path / "res-pool"))
+    summary = Trainer(cfg, toy_pairs, toy_pairs[:8], pool_of(toy_pairs)).fit()
+    assert summary["selected_by"] == {"cross": "sum_pool"} and len(recalls) == 1
+    logged = [r["valid"] for r in records(tmp_path / "res-pool") if "valid" in r]
+    assert len(logged) == 3 and logged[0]["sum_pool"] == logged[0]["bi_pool"]  # step 0: the retriever's order
+    assert {"bi_pool", "cross_pool", "sum_pool", "sum"} <= set(logged[0])
+    meta = json.loads((tmp_path / "res-pool" / "cross" / "checkpoint.json").read_text())
+    assert meta["extra"]["valid"]["sum_pool"]["hits@1"] == summary["best_valid_hits@1"]["cross"]
 
 
 def test_distill_into_a_smaller_cross_encoder(tmp_path, tiny_model_dir, toy_pairs):
@@ -310,7 +327,8 @@ def test_a_validation_pool_that_cannot_rank_is_refused_or_ignored(
     with pytest.raises(ValueError, match=r"valid_pool \(--valid-pool\) must be >= 0"):
         TrainConfig(valid_pool=-1)
     cfg = config(tmp_path, tiny_model_dir, mode="independent", models="cross", valid_pool=100)
-    assert Trainer(cfg, toy_pairs, toy_pairs[:8], pool_of(toy_pairs)).valid_pool == []  # a reranker alone
+    trainer = Trainer(cfg, toy_pairs, toy_pairs[:8], pool_of(toy_pairs))
+    assert trainer.valid_pool == [] and trainer.frozen_bi is None  # a reranker alone, no retriever to rank
     assert "--valid-pool ignored" in caplog.text
 
 
