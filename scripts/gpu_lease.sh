@@ -127,10 +127,18 @@ RUNS=(
   "core|--mode core ${RESTATE[*]}"
   "independent|--mode independent ${RESTATE[*]}"
   # A reranker trained as a correction to the shipped retriever's scores (--cross-residual: the lists'
-  # CE is of their sum), on the candidates that retriever ranks high (4 mined, 4 paraphrases of the last
-  # turn): CORE's reranker of 2026-11-26 plateaued 4 hits@1 below its retriever while their sum was 2
-  # above it (docs/results.md 25-26). What it learns ships behind that retriever unchanged.
-  "residual|--mode independent --models cross --init-bi coreply/weights/default-bi --cross-residual ${RESTATE[*]} --hard-negatives 4"
+  # CE is of their sum): CORE's reranker of 2026-11-26 plateaued 4 hits@1 below its retriever while their
+  # sum was 2 above it (docs/results.md 25-26). What it learns ships behind that retriever unchanged. It
+  # starts as that retriever (a correction of 0) and is kept only once its sum beats it over the
+  # validation pool, which may take a while: the whole epoch runs (patience 8 = an epoch's validations).
+  # CORE's negatives (4 paraphrases of the last turn, the rest random): a residual reranker's gradient
+  # comes only from the lists its retriever gets wrong, and with 4 of them mined by that retriever too it
+  # learned to pull the sum below the retriever on the CPU (docs/results.md 27); residual-hard is that.
+  "residual|--mode independent --models cross --init-bi coreply/weights/default-bi --cross-residual ${RESTATE[*]} --patience 8"
+  "residual-hard|--mode independent --models cross --init-bi coreply/weights/default-bi --cross-residual ${RESTATE[*]} --hard-negatives 4 --patience 8"
+  # the same as the reranker a CPU default can afford (2 layers x 64 tokens: docs/performance.md §5), a
+  # third of the 6-layer one's cost a step
+  "residual-small|--mode independent --models cross --init-bi coreply/weights/default-bi --cross-residual ${STUDENT[*]} ${RESTATE[*]} --patience 8"
   # CORE + 4 retriever-mined negatives: a reranker must learn the retriever's top lists, which random
   # lists do not teach (docs/results.md 17)
   "core-hard|--mode core ${RESTATE[*]} --hard-negatives 4"
@@ -445,9 +453,10 @@ print(json.load(open(sys.argv[1])).get('init_bi') or sys.argv[2])" "$LEASE/$name
       [ -f "$LEASE/$name/cross/model.safetensors" ] && [ ! -f "$LEASE/eval-$name-r$PACK_RANK.json" ] || continue
       left=$((end - SECONDS))
       [ $left -gt 60 ] || { echo "eval: out of time before $name-r$PACK_RANK"; break; }
+      # behind the retriever the run's own evaluation used (parts' --bi: a reranker alone has no bi/)
       { copies "$name" && timeout "$left" \
         "${COREPLY[@]}" eval --out "$LEASE/eval-$name-r$PACK_RANK.json" "${EVAL[@]}" --device "$DEVICE" \
-        --bi "$LEASE/$name/bi" --cross "$small"; } >"$LEASE/eval-$name-r$PACK_RANK.log" 2>&1 ||
+        "${parts[@]:0:2}" --cross "$small"; } >"$LEASE/eval-$name-r$PACK_RANK.log" 2>&1 ||
         echo "eval $name-r$PACK_RANK failed or cut off" >>"$LEASE/queue.log"
     done
     local summaries=()  # the training runs' (the grounded runs have their own evals, ground-eval-*.json)
