@@ -136,7 +136,7 @@ RUNS=(
   # learned to pull the sum below the retriever on the CPU (docs/results.md 27); residual-hard is that.
   "residual|--mode independent --models cross --init-bi coreply/weights/default-bi --cross-residual ${RESTATE[*]} --patience 8"
   "residual-hard|--mode independent --models cross --init-bi coreply/weights/default-bi --cross-residual ${RESTATE[*]} --hard-negatives 4 --patience 8"
-  # the same as the reranker a CPU default can afford (2 layers x 64 tokens: docs/performance.md §5), a
+  # the same at the size a CPU default can afford (2 layers x 64 tokens: docs/performance.md §5), a
   # third of the 6-layer one's cost a step
   "residual-small|--mode independent --models cross --init-bi coreply/weights/default-bi --cross-residual ${STUDENT[*]} ${RESTATE[*]} --patience 8"
   # CORE + 4 retriever-mined negatives: a reranker must learn the retriever's top lists, which random
