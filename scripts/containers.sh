@@ -44,19 +44,34 @@ base() {
   echo "base: imported $BASE"
 }
 
+image_id() { podman image inspect "$1" --format '{{.Id}}' 2>/dev/null || true; }
+
+drop_previous() {  # drop_previous TAG OLD_ID: the image TAG named before a rebuild, untagged now (each run
+  # left 2-4 GB of them behind until the disk filled)
+  if [ -n "$2" ] && [ "$2" != "$(image_id "$1")" ]; then podman rmi "$2" >/dev/null 2>&1 || true; fi
+}
+
 build() {  # build FILE TAG
   ls "$WHEELS"/torch-2.13.0+cpu-*.whl >/dev/null 2>&1 \
     || { echo "no torch 2.13.0 CPU wheel in $WHEELS (set TORCH_WHEELS)" >&2; exit 1; }
-  local start=$SECONDS
+  local start=$SECONDS old
+  old=$(image_id "$2")
   podman build --quiet --format docker -f "$1" -t "$2" \
     --build-arg BASE="$BASE" --build-arg TORCH_FROM="--find-links /wheels" \
     -v "$WHEELS:/wheels:ro" . >/dev/null
+  drop_previous "$2" "$old"
   echo "$2: built from $1 in $((SECONDS - start)) s ($(podman image inspect "$2" --format '{{.Size}}') bytes)"
 }
 
 cpu() { build docker/Dockerfile coreply:cpu; }
 gpu() { build docker/Dockerfile.gpu coreply:gpu-cpu-torch; }
-prom() { podman build --quiet --format docker -f docker/ci/Dockerfile.prometheus -t coreply-ci/prometheus . >/dev/null; echo "prometheus image built"; }
+prom() {
+  local old
+  old=$(image_id coreply-ci/prometheus)
+  podman build --quiet --format docker -f docker/ci/Dockerfile.prometheus -t coreply-ci/prometheus . >/dev/null
+  drop_previous coreply-ci/prometheus "$old"
+  echo "prometheus image built"
+}
 
 run_tests() {
   COREPLY_IMAGE=coreply:cpu COREPLY_GPU_IMAGE=coreply:gpu-cpu-torch PROMETHEUS_IMAGE=coreply-ci/prometheus \
