@@ -183,6 +183,22 @@ def test_a_residual_reranker_learns_the_frozen_retrievers_mistakes(
     for p in trainer.cross.parameters():
         p.grad = None
 
+    # Started from a trained reranker (--init-cross), its head is kept: the sum starts as the two models'
+    # sum fusion, not as the retriever alone.
+    alone = replace(cfg, init_bi=None, cross_residual=False, output_dir=str(tmp_path / "alone"))
+    Trainer(alone, toy_pairs, toy_pairs[:8], pool_of(toy_pairs)).fit()
+    trained = load_checkpoint(tmp_path / "alone" / "cross", expect="cross").eval()
+    warm = Trainer(
+        replace(cfg, init_cross=str(tmp_path / "alone" / "cross"), output_dir=str(tmp_path / "warm")),
+        toy_pairs,
+        toy_pairs[:8],
+        pool_of(toy_pairs),
+    )
+    warm.cross.eval()
+    G = warm._cross_scores(warm.cross, mb.cross, mb.lists)  # [B, N]
+    assert not torch.equal(G, torch.zeros_like(G))
+    assert torch.allclose(G, trainer._cross_scores(trained, mb.cross, mb.lists), atol=1e-6)
+
     summary = trainer.fit()
     first = records(tmp_path / "res")[0]["valid"]
     assert first["sum"] == first["bi"]  # at step 0 the reranker ranks as its retriever
