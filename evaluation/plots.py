@@ -16,17 +16,36 @@ def _pyplot():
     return plt
 
 
+def _records(metrics_jsonl: str | Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in Path(metrics_jsonl).read_text().splitlines() if line.strip()]
+
+
+def _valid(records: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
+    """(step, validation hits@1) of one model's ranking, e.g. 'cross' or 'sum_pool'."""
+    return [(r["step"], r["valid"][key]["hits@1"]) for r in records if key in r.get("valid", {})]
+
+
+def _has_pool(records: list[dict[str, Any]]) -> bool:
+    return any(key.endswith("_pool") for r in records for key in r.get("valid", {}))
+
+
+LISTS, POOL = ("bi", "cross", "sum"), ("bi_pool", "cross_pool", "sum_pool")
+
+
 def plot_training_curves(metrics_jsonl: str | Path, out_png: str | Path) -> None:
-    """Validation hits@1 of each model and the training losses against the optimizer step."""
-    records = [json.loads(line) for line in Path(metrics_jsonl).read_text().splitlines() if line.strip()]
+    """Validation hits@1 of each model (on 1-of-N lists; over ``--valid-pool``'s responses in a panel of
+    its own, a scale ten times smaller) and the training losses against the optimizer step."""
+    records = _records(metrics_jsonl)
     plt = _pyplot()
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 7), sharex=True)
-    for model in ("bi", "cross", "sum"):
-        points = [(r["step"], r["valid"][model]["hits@1"]) for r in records if model in r.get("valid", {})]
-        if points:
-            top.plot(*zip(*points, strict=True), marker="o", label=f"{model} valid hits@1")
-    top.set_ylabel("hits@1 (%)")
-    top.legend()
+    panels = [(LISTS, "hits@1, 1-of-N lists (%)")] + [(POOL, "hits@1, pool (%)")] * _has_pool(records)
+    fig, axes = plt.subplots(len(panels) + 1, 1, figsize=(7, 3.5 * (len(panels) + 1)), sharex=True)
+    for ax, (keys, label) in zip(axes, panels, strict=False):
+        for key in keys:
+            if points := _valid(records, key):
+                ax.plot(*zip(*points, strict=True), marker="o", label=f"{key} valid")
+        ax.set_ylabel(label)
+        ax.legend()
+    bottom = axes[-1]
     for key in ("bi_loss", "cross_loss"):
         points = [(r["step"], r[key]) for r in records if key in r]
         if points:
@@ -40,20 +59,20 @@ def plot_training_curves(metrics_jsonl: str | Path, out_png: str | Path) -> None
 
 
 def plot_runs(metrics_by_run: dict[str, str | Path], out_png: str | Path) -> None:
-    """Validation hits@1 of each run's bi- and cross-encoder against the step (the CORE paper's Fig. 3)."""
+    """Validation hits@1 of each run's models against the step (the CORE paper's Fig. 3): on 1-of-N lists,
+    and over the validation pool in a second panel where a run validated there."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for run, path in sorted(metrics_by_run.items()):
-        records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-        for model, style in (("bi", "-"), ("cross", "--")):
-            points = [
-                (r["step"], r["valid"][model]["hits@1"]) for r in records if model in r.get("valid", {})
-            ]
-            if points:
-                ax.plot(*zip(*points, strict=True), style, marker="o", label=f"{run} {model}")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("valid hits@1 (%)")
-    ax.legend(fontsize=7)
+    runs = {run: _records(path) for run, path in sorted(metrics_by_run.items())}
+    pool = any(_has_pool(records) for records in runs.values())
+    fig, axes = plt.subplots(2 if pool else 1, 1, figsize=(7, 9 if pool else 4.5), sharex=True, squeeze=False)
+    for ax, keys in zip(axes[:, 0], (LISTS, POOL), strict=False):
+        for run, records in runs.items():
+            for key, style in zip(keys, ("-", "--", ":"), strict=True):
+                if points := _valid(records, key):
+                    ax.plot(*zip(*points, strict=True), style, marker="o", label=f"{run} {key}")
+        ax.set_ylabel("valid hits@1, pool (%)" if keys is POOL else "valid hits@1 (%)")
+        ax.legend(fontsize=7)
+    axes[-1, 0].set_xlabel("optimizer step")
     fig.tight_layout()
     fig.savefig(out_png, dpi=100)
     plt.close(fig)
