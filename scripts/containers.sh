@@ -51,15 +51,20 @@ drop_previous() {  # drop_previous TAG OLD_ID: the image TAG named before a rebu
   if [ -n "$2" ] && [ "$2" != "$(image_id "$1")" ]; then podman rmi "$2" >/dev/null 2>&1 || true; fi
 }
 
-build() {  # build FILE TAG
+build() {  # build FILE TAG; the first stage, `build`, is tagged too (coreply-build:...): it is the next
+  # build's cache (torch and the dependencies), and untagged each one stayed behind (2-4 GB a build)
   ls "$WHEELS"/torch-2.13.0+cpu-*.whl >/dev/null 2>&1 \
     || { echo "no torch 2.13.0 CPU wheel in $WHEELS (set TORCH_WHEELS)" >&2; exit 1; }
-  local start=$SECONDS old
-  old=$(image_id "$2")
-  podman build --quiet --format docker -f "$1" -t "$2" \
-    --build-arg BASE="$BASE" --build-arg TORCH_FROM="--find-links /wheels" \
-    -v "$WHEELS:/wheels:ro" . >/dev/null
-  drop_previous "$2" "$old"
+  local start=$SECONDS old tag target
+  for target in build final; do
+    tag=$2 && [ "$target" = build ] && tag=${2%%:*}-build:${2#*:}
+    old=$(image_id "$tag")
+    # shellcheck disable=SC2046
+    podman build --quiet --format docker -f "$1" -t "$tag" $([ "$target" = build ] && echo --target build) \
+      --build-arg BASE="$BASE" --build-arg TORCH_FROM="--find-links /wheels" \
+      -v "$WHEELS:/wheels:ro" . >/dev/null
+    drop_previous "$tag" "$old"
+  done
   echo "$2: built from $1 in $((SECONDS - start)) s ($(podman image inspect "$2" --format '{{.Size}}') bytes)"
 }
 
