@@ -55,12 +55,12 @@ build() {  # build FILE TAG; the first stage, `build`, is tagged too (coreply-bu
   # build's cache (torch and the dependencies), and untagged each one stayed behind (2-4 GB a build)
   ls "$WHEELS"/torch-2.13.0+cpu-*.whl >/dev/null 2>&1 \
     || { echo "no torch 2.13.0 CPU wheel in $WHEELS (set TORCH_WHEELS)" >&2; exit 1; }
-  local start=$SECONDS old tag target
+  local start=$SECONDS old tag target stage
   for target in build final; do
-    tag=$2 && [ "$target" = build ] && tag=${2%%:*}-build:${2#*:}
+    tag=$2 stage=()
+    if [ "$target" = build ]; then tag=${2%%:*}-build:${2#*:} stage=(--target build); fi
     old=$(image_id "$tag")
-    # shellcheck disable=SC2046
-    podman build --quiet --format docker -f "$1" -t "$tag" $([ "$target" = build ] && echo --target build) \
+    podman build --quiet --format docker -f "$1" -t "$tag" "${stage[@]}" \
       --build-arg BASE="$BASE" --build-arg TORCH_FROM="--find-links /wheels" \
       -v "$WHEELS:/wheels:ro" . >/dev/null
     drop_previous "$tag" "$old"
