@@ -1,0 +1,137 @@
+"""What the "paraphrase of the last turn" negatives are (``coreply train --paraphrase-negatives``), and
+which candidate of such a training list each model puts first.
+
+Builds training lists exactly as ``coreply train`` does (``Trainer._candidate_lists``: the gold, then
+``--paraphrase-negatives`` of the mining retriever's 50 nearest responses to the last turn in a
+``--hard-pool`` sample, then random ones) and reports:
+
+- the restatement judge's cosine (zero-shot all-MiniLM-L6-v2 between the candidate and the last turn,
+  evaluation/restatement.py; >= 0.8 is a restatement) of the mined negatives and of the golds;
+- how many responses of the mining pool reach the judge's threshold per context;
+- the share of lists whose first place is the gold, a mined negative or a random one, and the lists'
+  cross-entropy, for the retriever, the reranker (``--cross``) and their sum, which is what a residual
+  reranker (``--cross-residual``) trains on.
+
+    python bench/paraphrase_negatives.py --bi coreply/weights/default-bi \\
+        --cross coreply/weights/core-cross-r32 --batches 40 --out paraphrase-negatives.json   # ~11 min here
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+
+import numpy as np
+import torch
+
+from coreply.checkpoint import load_bi
+from coreply.config import ZERO_SHOT, ModelConfig
+from coreply.corpus import build_pool, load_chitchat
+from evaluation.restatement import THRESHOLD, RestatementJudge
+from training.config import TrainConfig
+from training.losses import listwise_ce
+from training.trainer import Trainer
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--bi", required=True, help="the retriever that mines the negatives (and ranks)")
+    ap.add_argument("--cross", help="a reranker to rank the lists too, alone and summed with --bi")
+    ap.add_argument("--batches", type=int, default=40, help="training batches of 8 contexts")
+    ap.add_argument("--paraphrase-negatives", type=int, default=4)
+    ap.add_argument("--num-negatives", type=int, default=15)
+    ap.add_argument("--hard-pool", type=int, default=20000)
+    ap.add_argument("--out", help="write the numbers here as JSON")
+    args = ap.parse_args()
+    if args.batches < 1 or not 0 < args.paraphrase_negatives <= args.num_negatives:
+        ap.error("--batches must be >= 1 and --paraphrase-negatives in [1, --num-negatives]")
+
+    with tempfile.TemporaryDirectory() as out:
+        cfg = TrainConfig(
+            output_dir=out,
+            mode="independent",
+            models="cross",
+            init_bi=args.bi,
+            init_cross=args.cross,
+            cross_residual=True,  # loads --bi frozen, as the residual run does
+            cross_lora_rank=0,
+            model=ModelConfig(num_layers=1),  # a stand-in when no --cross is given; never trained
+            batch_size=8,
+            num_negatives=args.num_negatives,
+            paraphrase_negatives=args.paraphrase_negatives,
+            hard_pool=args.hard_pool,
+            device="cpu",
+        )
+        splits = load_chitchat(max_turns=cfg.model.max_turns)
+        trainer = Trainer(cfg, splits["train"], [], build_pool(p.response for p in splits["train"]))
+        trainer.planned_steps = args.batches
+        trainer._refresh_miner()  # mines the lists of the first `batches` steps, as step 0 of a run does
+        trainer.cross.eval()
+
+        mined = slice(1, 1 + args.paraphrase_negatives)  # list order: gold, mined, random
+        kinds = (
+            ["gold"]
+            + ["mined"] * args.paraphrase_negatives
+            + ["random"] * (args.num_negatives - args.paraphrase_negatives)
+        )
+        models = ("bi", "cross", "sum") if args.cross else ("bi",)
+        firsts = {m: {k: 0 for k in ("gold", "mined", "random")} for m in models}
+        ce = dict.fromkeys(models, 0.0)
+        contexts, negatives, golds = [], [], []
+        with torch.no_grad():
+            for step in range(args.batches):
+                pairs, rng = trainer._global_batch(0, step)
+                lists = trainer._candidate_lists(pairs, rng)
+                for pair, cands in zip(pairs, lists, strict=True):
+                    contexts.append(pair.context)
+                    golds.append(pair.response)
+                    negatives.append(cands[mined])
+                mb = trainer._micro_batch(pairs, lists)
+                R = trainer._bi_scores(mb, trainer.frozen_bi)[0]  # [B, N]
+                scores = {"bi": R}
+                if args.cross:
+                    G = trainer._cross_scores(trainer.cross, mb.cross, mb.lists)  # [B, N]
+                    scores |= {"cross": G, "sum": R + G}
+                for name, S in scores.items():
+                    ce[name] += listwise_ce(S).item() * len(pairs)
+                    for j in S.argmax(1).tolist():
+                        firsts[name][kinds[j]] += 1
+
+        judge = RestatementJudge(load_bi(ZERO_SHOT))  # coreply eval's judge
+        flat = [n for ns in negatives for n in ns]
+        neg = judge.similarity([c for c, ns in zip(contexts, negatives, strict=True) for _ in ns], flat)
+        gold = judge.similarity(contexts, golds)
+        pool = judge._embed(list(trainer.miner.pool))  # [P, D]
+        above = (judge._embed([c[-1] for c in contexts]) @ pool.T >= THRESHOLD).sum(1)  # [contexts]
+
+    n = len(contexts)
+
+    def shares(sims: np.ndarray) -> dict[str, float]:
+        return {f">={t}": round(100 * float(np.mean(sims >= t)), 1) for t in (THRESHOLD, 0.7, 0.6)} | {
+            "median": round(float(np.median(sims)), 3)
+        }
+
+    result = {
+        "contexts": n,
+        "judge_cosine_with_last_turn": {"mined negatives": shares(neg), "golds": shares(gold)},
+        f"pool responses at >= {THRESHOLD} per context": {
+            "pool": len(pool),
+            "median": float(np.median(above)),
+            "share with none": round(100 * float(np.mean(above == 0)), 1),
+            "share with >= 4": round(100 * float(np.mean(above >= 4)), 1),
+        },
+        "first place, % of lists": {
+            m: {k: round(100 * v / n, 1) for k, v in f.items()} for m, f in firsts.items()
+        },
+        "list cross-entropy": {m: round(v / n, 3) for m, v in ce.items()},
+        "command": vars(args),
+    }
+    print(json.dumps(result, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
