@@ -21,7 +21,8 @@
 # and its last validation ends inside the budget); at most one epoch (1,845 steps of 64 contexts, about
 # 5 minutes of steps on an H200, 6 on an H100), and early stopping after 3 validations without a gain.
 # At 7.5 minutes the epoch, not the clock, bounds a run on either card, so runs of different leases
-# follow one schedule. QUEUE picks the runs (below); its default is the residual reranker started from CORE's.
+# follow one schedule. QUEUE picks the runs (below); its default is the residual reranker started from
+# CORE's.
 #
 # setup   installs .lease/ into /tmp/site in seconds (the GPU host has torch and transformers, not the
 #         project's data packages); the base weights arrive in fp16 and are widened to fp32, and adapters
@@ -129,21 +130,21 @@ RUNS=(
   "independent|--mode independent ${RESTATE[*]}"
   # A reranker trained as a correction to the shipped retriever's scores (--cross-residual: the lists'
   # CE is of their sum): CORE's reranker of 2026-11-26 plateaued 4 hits@1 below its retriever while their
-  # sum was 2 above it (docs/results.md 25-26). What it learns ships behind that retriever unchanged. It
-  # starts as that retriever (a correction of 0) and is kept only once its sum beats it over the
-  # validation pool, which may take a while: the whole epoch runs (patience 8 = an epoch's validations).
-  # CORE's negatives (4 paraphrases of the last turn, the rest random): a residual reranker's gradient
-  # comes only from the lists its retriever gets wrong, and with 4 of them mined by that retriever too it
-  # learned to pull the sum below the retriever on the CPU (docs/results.md 27); residual-hard is that.
-  # residual-core starts from CORE's reranker of 2026-11-26 (its compact copy, shipped in the tree), whose
-  # sum with the shipped retriever was the best two-stage answer measured (+0.3 hits@1 on the test's full
-  # pool, p = 0.17; results.md 26): step 0 is that sum, and the run keeps it unless training beats it.
-  "residual-core|--mode independent --models cross --init-bi coreply/weights/default-bi --init-cross coreply/weights/core-cross-r32 --cross-residual ${RESTATE[*]} --patience 8"
-  "residual|--mode independent --models cross --init-bi coreply/weights/default-bi --cross-residual ${RESTATE[*]} --patience 8"
+  # sum was 2 above it (docs/results.md 25-26). What it learns ships behind that retriever unchanged.
+  # residual-core starts from that reranker (its compact copy, shipped in the tree): step 0 is their sum,
+  # the best two-stage answer measured (+0.3 hits@1 on the test's full pool, p = 0.17; results.md 26);
+  # residual starts as the retriever (a correction of 0). Each is kept only once its sum beats its start
+  # over the validation pool, which may take a while: the whole epoch runs (patience 8). Random negatives:
+  # a residual reranker's gradient comes only from the lists its retriever gets wrong, and with 4 of 15
+  # negatives mined near the last turn (RESTATE: 97 % of them not restatements but topical replies, which
+  # the retriever puts first in 76 % of lists) or near the context, it learned to pull the sum below the
+  # retriever on the CPU (docs/results.md 27, 28); residual-hard is the mined mix.
+  "residual-core|--mode independent --models cross --init-bi coreply/weights/default-bi --init-cross coreply/weights/core-cross-r32 --cross-residual --patience 8"
+  "residual|--mode independent --models cross --init-bi coreply/weights/default-bi --cross-residual --patience 8"
   "residual-hard|--mode independent --models cross --init-bi coreply/weights/default-bi --cross-residual ${RESTATE[*]} --hard-negatives 4 --patience 8"
   # the same at the size a CPU default can afford (2 layers x 64 tokens: docs/performance.md §5), a
   # third of the 6-layer one's cost a step
-  "residual-small|--mode independent --models cross --init-bi coreply/weights/default-bi --cross-residual ${STUDENT[*]} ${RESTATE[*]} --patience 8"
+  "residual-small|--mode independent --models cross --init-bi coreply/weights/default-bi --cross-residual ${STUDENT[*]} --patience 8"
   # CORE + 4 retriever-mined negatives: a reranker must learn the retriever's top lists, which random
   # lists do not teach (docs/results.md 17)
   "core-hard|--mode core ${RESTATE[*]} --hard-negatives 4"
@@ -170,9 +171,9 @@ RUNS=(
   "grounded-reciprocal|ground train --knowledge reciprocal ${GROUNDED[*]}"
 )
 
-# QUEUE picks the runs: "main" (default: the residual reranker started from CORE's, behind the default's retriever, the one
-# run a 15-minute lease affords; `wait` returns when it is done), "all", or
-# names ("core core-hard ..."). Evaluation covers every run that finished, whichever queue trained it.
+# QUEUE picks the runs: "main" (default: the residual reranker started from CORE's, behind the default's
+# retriever, the one run a 15-minute lease affords; `wait` returns when it is done), "all", or names
+# ("core core-hard ..."). Evaluation covers every run that finished, whichever queue trained it.
 case ${QUEUE:-main} in
 main) QUEUE_NAMES="residual-core" ;;
 all) QUEUE_NAMES=$(for e in "${RUNS[@]}"; do printf '%s ' "${e%%|*}"; done) ;;
