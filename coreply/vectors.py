@@ -15,8 +15,9 @@ def unit(x: np.ndarray) -> np.ndarray:
 
 
 class TextVectors:
-    """``encode(texts [n]) -> [n, D]``, run only on texts not seen before; the cache starts again when it
-    would outgrow ``size`` texts. Not thread-safe (each user calls it from one thread)."""
+    """``encode(texts [n]) -> [n, D]``, run only on texts not seen before; the cache starts again (keeping
+    the call's own texts) when it would outgrow ``size`` texts. Not thread-safe (each user calls it from
+    one thread)."""
 
     def __init__(self, encode: Callable[[Sequence[str]], np.ndarray], size: int = 50_000) -> None:
         self.encode, self.size = encode, size
@@ -24,10 +25,11 @@ class TextVectors:
 
     def warm(self, texts: Sequence[str]) -> None:
         """Encode the texts not yet cached, in one call."""
-        new = [t for t in dict.fromkeys(texts) if t not in self._cache]
+        wanted = dict.fromkeys(texts)
+        new = [t for t in wanted if t not in self._cache]
         if new:
             if len(self._cache) + len(new) > self.size:
-                self._cache.clear()
+                self._cache = {t: self._cache[t] for t in wanted if t in self._cache}
             self._cache.update(zip(new, np.asarray(self.encode(new)), strict=True))
 
     def __call__(self, texts: Sequence[str]) -> np.ndarray:

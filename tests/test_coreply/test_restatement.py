@@ -82,6 +82,11 @@ def test_text_vectors_encode_each_text_once():
     vectors(["reply two"])  # would outgrow the cache: it starts again
     assert calls[-1] == ["reply two"] and len(vectors._cache) == 1
     assert vectors([]).shape == (0, 0) and len(calls) == 3
+    # a call that outgrows it while some of its texts are cached keeps those (until 2026-11-26 the cache
+    # dropped them: a KeyError in the guard or the judge once 50,000 distinct texts had passed)
+    got = vectors(["reply two", "reply three", "reply four", "question"])
+    np.testing.assert_allclose(got[0], vector("reply two"), atol=1e-6)
+    assert calls[-1] == ["reply three", "reply four", "question"]
 
 
 def test_guarded_recall_drops_restatements_of_the_last_turns_unless_a_query_allows_them():
