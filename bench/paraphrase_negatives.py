@@ -1,7 +1,7 @@
 """What the "paraphrase of the last turn" negatives are (``coreply train --paraphrase-negatives``), and
 which candidate of such a training list each model puts first.
 
-Builds training lists exactly as ``coreply train`` does (``Trainer._candidate_lists``: the gold, then
+Builds training lists exactly as ``coreply train`` does (``Trainer.first_lists``: the gold, then
 ``--paraphrase-negatives`` of the mining retriever's 50 nearest responses to the last turn in a
 ``--hard-pool`` sample, then random ones) and reports:
 
@@ -23,7 +23,6 @@ import json
 import tempfile
 
 import numpy as np
-import torch
 
 from coreply.checkpoint import load_bi
 from coreply.config import ZERO_SHOT, ModelConfig
@@ -48,26 +47,26 @@ def main() -> None:
         ap.error("--batches must be >= 1 and --paraphrase-negatives in [1, --num-negatives]")
 
     with tempfile.TemporaryDirectory() as out:
-        cfg = TrainConfig(
-            output_dir=out,
-            mode="independent",
-            models="cross",
-            init_bi=args.bi,
-            init_cross=args.cross,
-            cross_residual=True,  # loads --bi frozen, as the residual run does
-            cross_lora_rank=0,
-            model=ModelConfig(num_layers=1),  # a stand-in when no --cross is given; never trained
-            batch_size=8,
-            num_negatives=args.num_negatives,
-            paraphrase_negatives=args.paraphrase_negatives,
-            hard_pool=args.hard_pool,
-            device="cpu",
-        )
-        splits = load_chitchat(max_turns=cfg.model.max_turns)
-        trainer = Trainer(cfg, splits["train"], [], build_pool(p.response for p in splits["train"]))
-        trainer.planned_steps = args.batches
-        trainer._refresh_miner()  # mines the lists of the first `batches` steps, as step 0 of a run does
-        trainer.cross.eval()
+        try:  # a missing or unfit checkpoint, or a nonsense size, is the user's to fix: one line
+            cfg = TrainConfig(
+                output_dir=out,
+                mode="independent",
+                models="cross",
+                init_bi=args.bi,
+                init_cross=args.cross,
+                cross_residual=True,  # loads --bi frozen, as the residual run does
+                cross_lora_rank=0,
+                model=ModelConfig(num_layers=1),  # a stand-in when no --cross is given; never trained
+                batch_size=8,
+                num_negatives=args.num_negatives,
+                paraphrase_negatives=args.paraphrase_negatives,
+                hard_pool=args.hard_pool,
+                device="cpu",
+            )
+            splits = load_chitchat(max_turns=cfg.model.max_turns)
+            trainer = Trainer(cfg, splits["train"], [], build_pool(p.response for p in splits["train"]))
+        except (ValueError, FileNotFoundError) as e:
+            ap.error(str(e))
 
         mined = slice(1, 1 + args.paraphrase_negatives)  # list order: gold, mined, random
         kinds = (
@@ -79,31 +78,27 @@ def main() -> None:
         firsts = {m: {k: 0 for k in ("gold", "mined", "random")} for m in models}
         ce = dict.fromkeys(models, 0.0)
         contexts, negatives, golds = [], [], []
-        with torch.no_grad():
-            for step in range(args.batches):
-                pairs, rng = trainer._global_batch(0, step)
-                lists = trainer._candidate_lists(pairs, rng)
-                for pair, cands in zip(pairs, lists, strict=True):
-                    contexts.append(pair.context)
-                    golds.append(pair.response)
-                    negatives.append(cands[mined])
-                mb = trainer._micro_batch(pairs, lists)
-                R = trainer._bi_scores(mb, trainer.frozen_bi)[0]  # [B, N]
-                scores = {"bi": R}
-                if args.cross:
-                    G = trainer._cross_scores(trainer.cross, mb.cross, mb.lists)  # [B, N]
-                    scores |= {"cross": G, "sum": R + G}
-                for name, S in scores.items():
-                    ce[name] += listwise_ce(S).item() * len(pairs)
-                    for j in S.argmax(1).tolist():
-                        firsts[name][kinds[j]] += 1
+        for pairs, lists in trainer.first_lists(args.batches):
+            for pair, cands in zip(pairs, lists, strict=True):
+                contexts.append(pair.context)
+                golds.append(pair.response)
+                negatives.append(cands[mined])
+            scores = trainer.list_scores(pairs, lists)  # each [B, N]
+            if args.cross:
+                scores["sum"] = scores["bi"] + scores["cross"]
+            else:
+                del scores["cross"]  # the stand-in's
+            for name, S in scores.items():
+                ce[name] += listwise_ce(S).item() * len(pairs)
+                for j in S.argmax(1).tolist():
+                    firsts[name][kinds[j]] += 1
 
         judge = RestatementJudge(load_bi(ZERO_SHOT))  # coreply eval's judge
         flat = [n for ns in negatives for n in ns]
         neg = judge.similarity([c for c, ns in zip(contexts, negatives, strict=True) for _ in ns], flat)
         gold = judge.similarity(contexts, golds)
-        pool = judge._embed(list(trainer.miner.pool))  # [P, D]
-        above = (judge._embed([c[-1] for c in contexts]) @ pool.T >= THRESHOLD).sum(1)  # [contexts]
+        pool = judge.embed(list(trainer.miner.pool))  # [P, D]
+        above = (judge.embed([c[-1] for c in contexts]) @ pool.T >= THRESHOLD).sum(1)  # [contexts]
 
     n = len(contexts)
 

@@ -29,15 +29,15 @@ class RestatementJudge:
             raise ValueError(f"the restatement threshold must be in (0, 1], got {threshold}")
         self.judge = judge.eval()
         self.threshold = threshold
-        # unit vectors [N, D]; every text is embedded once per judge
-        self._embed = TextVectors(lambda texts: unit(self.judge.embed_responses(texts).numpy()))
+        # embed(texts) -> unit vectors [N, D]; every text is embedded once per judge
+        self.embed = TextVectors(lambda texts: unit(self.judge.embed_responses(texts).numpy()))
 
     def similarity(self, contexts: Sequence[Sequence[str]], answers: Sequence[str]) -> np.ndarray:
         """Cosine of each answer with its context's last turn: [N]."""
         if len(contexts) != len(answers):
             raise ValueError("similarity() needs one answer per context")
-        last = self._embed([c[-1] for c in contexts])
-        return np.einsum("nd,nd->n", last, self._embed(list(answers)))
+        last = self.embed([c[-1] for c in contexts])
+        return np.einsum("nd,nd->n", last, self.embed(list(answers)))
 
     def flags(self, contexts: Sequence[Sequence[str]], answers: Sequence[str | None]) -> np.ndarray:
         """1.0 where the answer restates the last turn, 0.0 otherwise or where there is no answer: [N]."""

@@ -18,7 +18,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -495,6 +495,33 @@ class Trainer:
         """-> G [B, N], rows put back in list order after length-sorted chunks."""
         scores = model([batch.to(self.device, non_blocking=True) for _, batch in chunks])  # [B*N]
         return in_row_order(scores, chunks).view(len(lists), -1)
+
+    # ------------------------------------------------------------------------------------ inspection
+
+    def first_lists(self, steps: int) -> Iterator[tuple[list[Pair], list[list[str]]]]:
+        """The pairs and candidate lists (gold first, then mined, then random negatives) of a fresh
+        run's first ``steps`` global batches, mined as that run mines them: what it would train on.
+        For inspection only: it moves the trainer's step and mines no further ahead than ``steps``."""
+        self.planned_steps = min(self.planned_steps, steps)
+        for index in range(steps):
+            self.step = index
+            self._refresh_miner()
+            pairs, rng = self._global_batch(*divmod(index, self.steps_per_epoch))
+            yield pairs, self._candidate_lists(pairs, rng)
+
+    @torch.no_grad()
+    def list_scores(self, pairs: list[Pair], lists: list[list[str]]) -> dict[str, torch.Tensor]:
+        """Scores [B, N] of candidate lists as training computes them: "bi" by the retriever (the
+        trained one, else a residual run's frozen one) and "cross" by the reranker, each put in eval
+        mode (no dropout)."""
+        mb = self._micro_batch(pairs, lists)
+        scores = {}
+        retriever = self.bi if self.bi is not None else self.frozen_bi
+        if retriever is not None:
+            scores["bi"] = self._bi_scores(mb, retriever.eval())[0]
+        if self.cross is not None:
+            scores["cross"] = self._cross_scores(self.cross.eval(), mb.cross, mb.lists)
+        return scores
 
     # ------------------------------------------------------------------------------------ one step
 

@@ -543,6 +543,28 @@ def test_restatement_negatives_come_from_the_context_and_the_last_turns_neighbou
         assert not {normalize(t) for t in cands[1:]} & {normalize(t) for t in pair.context}
 
 
+def test_first_lists_and_list_scores_show_what_a_run_trains_on(tmp_path, tiny_model_dir, toy_pairs):
+    """The inspection API (bench/paraphrase_negatives.py): a fresh run's first lists, mined as the run
+    mines them, and each model's scores of them as training computes them."""
+    cfg = config(tmp_path, tiny_model_dir, mode="core", num_negatives=4, paraphrase_negatives=1)
+    trainer = Trainer(cfg, toy_pairs, [], pool_of(toy_pairs))
+    seen = list(trainer.first_lists(2))
+    run = Trainer(cfg, toy_pairs, [], pool_of(toy_pairs))
+    assert run._refresh_miner()
+    assert [mb.lists for mb in run._prepare(0, 0)] == [seen[0][1]]  # what step 0 trains on
+    assert len(seen) == 2 and seen[1][0] != seen[0][0]
+    pairs, lists = seen[0]
+    scores = trainer.list_scores(pairs, lists)
+    assert set(scores) == {"bi", "cross"} and scores["bi"].shape == scores["cross"].shape == (4, 5)
+    for i, (pair, cands) in enumerate(zip(pairs, lists, strict=True)):
+        assert cands[0] == pair.response and len(set(cands)) == 5
+        with torch.no_grad():
+            bi = trainer.bi.embed_contexts([pair.context]) @ trainer.bi.embed_responses(cands).T  # [1, 5]
+            cross = trainer.cross.score_pairs([pair.context] * 5, cands)  # [5]
+        assert torch.allclose(scores["bi"][i], bi[0], atol=1e-5)
+        assert torch.allclose(scores["cross"][i], cross, atol=1e-5)
+
+
 def test_negative_counts_are_checked():
     with pytest.raises(ValueError, match="cannot exceed num_negatives"):
         TrainConfig(num_negatives=4, own_turn_negatives=2, paraphrase_negatives=2, hard_negatives=1)
