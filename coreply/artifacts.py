@@ -53,7 +53,7 @@ def file_mismatch(root: Path, recorded: dict[str, str], meta: str) -> str | None
 
 def dumps(data: Any, indent: str = "") -> str:
     """JSON with objects and nested lists indented two spaces a level, keys sorted, and a list of
-    scalars on one line: per-case ranks stay readable at a third of one-value-a-line's size."""
+    scalars on one line: per-case ranks stay readable at half the size of one value a line."""
     inner = indent + "  "
     if isinstance(data, dict) and data:
         keys = ((k if isinstance(k, str) else json.dumps(k), v) for k, v in sorted(data.items()))

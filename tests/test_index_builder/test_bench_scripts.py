@@ -78,3 +78,36 @@ def test_response_prior_sweep_measures_every_setting_against_no_prior(tmp_path, 
     ]  # fmt: skip
     assert rows[0]["valid_p"] == 1.0  # no better than itself
     assert all(0 <= r["test_hits@1"] <= r["test_hits@10"] <= 100 for r in rows)
+
+
+def evaluation(path: Path, *protocols: list[list[int]]) -> str:
+    """A `coreply eval` JSON at ``path`` whose protocols A and B hold rows of these per-case ranks."""
+    rows = [
+        [{"system": f"s{i}", "ranks": r, "metrics": {"hits@1": 0}} for i, r in enumerate(p)]
+        for p in protocols
+    ]
+    path.write_text(json.dumps(dict(zip("AB", rows, strict=True))))
+    return str(path)
+
+
+def test_compare_evals_pairs_rows_across_files_and_names_a_bad_row_in_one_line(tmp_path):
+    new = evaluation(tmp_path / "new.json", [[1, 1, 2, 1]], [[3, 1, 1, 1], [1, 1, 1, 2]])
+    old = evaluation(tmp_path / "old.json", [[2, 2, 1, 3]], [[1, 5, 9, 1]])
+    listing = bench("compare_evals.py", "--list", new).stdout.splitlines()
+    assert [line.split("\t")[0] for line in listing] == [f"{new}#A0", f"{new}#B0", f"{new}#B1"]
+    out = bench("compare_evals.py", f"{new}#A0", f"{old}#A0", f"{new}#B1", f"{old}#B0").stdout.splitlines()
+    assert out[0].split() == ["75.00", "new#A0", "s0"]
+    assert "wins 3, losses 1," in out[1] and "wins 1, losses 1," in out[2] and "wins 1, losses 0," in out[3]
+    p = [float(line.rsplit("p ", 1)[1]) for line in out[1:]]
+    assert 0 < p[0] < 0.5 < p[1] < 1  # better by 2 of 4 cases; level
+    short = evaluation(tmp_path / "short.json", [[1, 1]], [])
+    for args, error in (
+        ([f"{new}#C0", f"{old}#A0"], "name a row as FILE#A3"),
+        ([f"{new}#B2", f"{old}#A0"], "protocol B has 2 rows"),
+        ([f"{new}#A0", f"{short}#A0"], "2 cases, the first row has 4"),
+        ([f"{new}#A0", f"{tmp_path}/missing.json#A0"], "cannot read an evaluation JSON"),
+    ):
+        run = subprocess.run(
+            [sys.executable, str(ROOT / "bench" / "compare_evals.py"), *args], capture_output=True, text=True
+        )
+        assert run.returncode != 0 and error in run.stderr and len(run.stderr.splitlines()) == 1, run.stderr
