@@ -2,8 +2,9 @@
 which candidate of such a training list each model puts first.
 
 Builds training lists exactly as ``coreply train`` does (``Trainer.first_lists``: the gold, then
-``--paraphrase-negatives`` of the mining retriever's 50 nearest responses to the last turn in a
-``--hard-pool`` sample, then random ones) and reports:
+``--paraphrase-negatives`` (c) drawn from the mining retriever's 2c + 1 nearest responses to the last
+turn in a ``--hard-pool`` sample (with ``--paraphrase-floor F`` only those at cosine F or more), then
+random ones) and reports:
 
 - the restatement judge's cosine (zero-shot all-MiniLM-L6-v2 between the candidate and the last turn,
   evaluation/restatement.py; >= 0.8 is a restatement) of the mined negatives and of the golds;
@@ -41,6 +42,7 @@ def main() -> None:
     ap.add_argument("--paraphrase-negatives", type=int, default=4)
     ap.add_argument("--num-negatives", type=int, default=15)
     ap.add_argument("--hard-pool", type=int, default=20000)
+    ap.add_argument("--paraphrase-floor", type=float, default=0.0, help="coreply train's, [0, 1)")
     ap.add_argument("--out", help="write the numbers here as JSON")
     args = ap.parse_args()
     if args.batches < 1 or not 0 < args.paraphrase_negatives <= args.num_negatives:
@@ -60,6 +62,7 @@ def main() -> None:
                 batch_size=8,
                 num_negatives=args.num_negatives,
                 paraphrase_negatives=args.paraphrase_negatives,
+                paraphrase_floor=args.paraphrase_floor,
                 hard_pool=args.hard_pool,
                 device="cpu",
             )
@@ -68,21 +71,18 @@ def main() -> None:
         except (ValueError, FileNotFoundError) as e:
             ap.error(str(e))
 
-        mined = slice(1, 1 + args.paraphrase_negatives)  # list order: gold, mined, random
-        kinds = (
-            ["gold"]
-            + ["mined"] * args.paraphrase_negatives
-            + ["random"] * (args.num_negatives - args.paraphrase_negatives)
-        )
         models = ("bi", "cross", "sum") if args.cross else ("bi",)
         firsts = {m: {k: 0 for k in ("gold", "mined", "random")} for m in models}
         ce = dict.fromkeys(models, 0.0)
         contexts, negatives, golds = [], [], []
         for pairs, lists in trainer.first_lists(args.batches):
+            kinds = []  # per list: "gold", then each negative's kind
             for pair, cands in zip(pairs, lists, strict=True):
+                near = set(trainer.miner.neighbours(pair, "last_turn", args.paraphrase_negatives))
+                kinds.append(["gold"] + ["mined" if c in near else "random" for c in cands[1:]])
                 contexts.append(pair.context)
                 golds.append(pair.response)
-                negatives.append(cands[mined])
+                negatives.append([c for c, kind in zip(cands, kinds[-1], strict=True) if kind == "mined"])
             scores = trainer.list_scores(pairs, lists)  # each [B, N]
             if args.cross:
                 scores["sum"] = scores["bi"] + scores["cross"]
@@ -90,8 +90,8 @@ def main() -> None:
                 del scores["cross"]  # the stand-in's
             for name, S in scores.items():
                 ce[name] += listwise_ce(S).item() * len(pairs)
-                for j in S.argmax(1).tolist():
-                    firsts[name][kinds[j]] += 1
+                for kind, j in zip(kinds, S.argmax(1).tolist(), strict=True):
+                    firsts[name][kind[j]] += 1
 
         judge = RestatementJudge(load_bi(ZERO_SHOT))  # coreply eval's judge
         flat = [n for ns in negatives for n in ns]
@@ -103,12 +103,18 @@ def main() -> None:
     n = len(contexts)
 
     def shares(sims: np.ndarray) -> dict[str, float]:
+        if sims.size == 0:  # a floor no neighbour reached
+            return {}
         return {f">={t}": round(100 * float(np.mean(sims >= t)), 1) for t in (THRESHOLD, 0.7, 0.6)} | {
             "median": round(float(np.median(sims)), 3)
         }
 
     result = {
         "contexts": n,
+        "mined negatives per list": {
+            "mean": round(float(np.mean([len(ns) for ns in negatives])), 2),
+            "share with none": round(100 * float(np.mean([not ns for ns in negatives])), 1),
+        },
         "judge_cosine_with_last_turn": {"mined negatives": shares(neg), "golds": shares(gold)},
         f"pool responses at >= {THRESHOLD} per context": {
             "pool": len(pool),

@@ -90,6 +90,9 @@ HELP = {
     "own_turn_negatives": "how many negatives are the context's own turns (restatements)",
     "paraphrase_negatives": "how many negatives are the pool's nearest neighbours of the last turn: "
     "paraphrases of what the user just said (mined like the hard negatives)",
+    "paraphrase_floor": "keep a mined paraphrase only if its cosine with the last turn, under the mining "
+    "retriever's response tower, is at least this (0: the nearest, whatever they are; most are on-topic "
+    "replies, docs/results.md 28); lists left short get random negatives",
     "max_batch_tokens": "> 0: run each model's inputs (contexts, candidates, reranker pairs) in "
     "length-sorted chunks of at most this many padded tokens (less padding); 0: one padded batch each",
     "prefetch": "build the next step's lists and token ids in a thread while this step runs",
@@ -148,6 +151,7 @@ class TrainConfig:
     hard_top: int = 50
     own_turn_negatives: int = 0
     paraphrase_negatives: int = 0
+    paraphrase_floor: float = 0.0
     max_batch_tokens: int = 0
     prefetch: bool = True
     compile: bool = False
@@ -173,7 +177,7 @@ class TrainConfig:
             at_least_one=AT_LEAST_ONE,
             non_negative=NON_NEGATIVE,
             positive=POSITIVE,
-            fraction=("warmup_ratio",),
+            fraction=("warmup_ratio", "paraphrase_floor"),
         )
         reranker_alone = self.mode == "independent" and self.models == "cross"
         if self.cross_residual and not (reranker_alone and self.init_bi):

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+from torch.nn import functional as F
 
 from coreply.corpus import Pair
 from coreply.text import normalize
@@ -46,16 +47,25 @@ class HardNegativeMiner:
     * ``by="context"``: the pool entries the retriever ranks highest for the context (its own top
       ``top_k``, of which ``count`` are drawn at random): what it would wrongly answer.
     * ``by="last_turn"``: the pool entries nearest the context's *last turn* in the response space (the
-      nearest ``2 * count``, ``count`` drawn): paraphrases of what the user just said."""
+      nearest ``2 * count``, ``count`` drawn): paraphrases of what the user just said. In a pool of
+      chit-chat most of them are on-topic replies instead (docs/results.md 28); ``floor`` > 0 keeps only
+      those whose cosine with the last turn is at least ``floor``, so a pair may get fewer, or none."""
 
     def __init__(
-        self, pool: Sequence[str], count: int, refresh_every: int, sample_size: int, top_k: int, seed: int
+        self,
+        pool: Sequence[str],
+        count: int,
+        refresh_every: int,
+        sample_size: int,
+        top_k: int,
+        seed: int,
+        floor: float = 0.0,
     ) -> None:
         rng = np.random.default_rng([seed, 11])
         take = min(sample_size, len(pool))
         self.pool = [pool[i] for i in sorted(rng.choice(len(pool), size=take, replace=False))]
         self.keys = [normalize(t) for t in self.pool]
-        self.count, self.refresh_every, self.top_k = count, refresh_every, top_k
+        self.count, self.refresh_every, self.top_k, self.floor = count, refresh_every, top_k, floor
         self.embeddings: torch.Tensor | None = None  # [P, D]
         self.refreshed_at = -1
         self._rows: dict[tuple, list[int]] = {}  # (by, k, query key) -> the pool's top k for it
@@ -113,9 +123,18 @@ class HardNegativeMiner:
         device = next(bi.parameters()).device
         pool = self.embeddings.to(device)  # [P, D]
         rows: list[list[int]] = []
-        for chunk in torch.split(vectors, 4096):  # [<=4096, D]
-            rows += torch.topk(chunk.to(device) @ pool.T, k=k, dim=1).indices.tolist()
+        for chunk in torch.split(vectors.to(device), 4096):  # [<=4096, D]
+            top = torch.topk(chunk @ pool.T, k=k, dim=1).indices  # [c, k]
+            if by == "last_turn" and self.floor > 0:  # a paraphrase only if it is one by cosine
+                cos = torch.einsum("cd,ckd->ck", F.normalize(chunk, dim=-1), F.normalize(pool[top], dim=-1))
+                top = top.masked_fill(cos < self.floor, -1)  # -1: not one
+            rows += [[j for j in row if j >= 0] for row in top.tolist()]
         return {(by, k, q): row for q, row in zip(queries, rows, strict=True)}
+
+    def neighbours(self, pair: Pair, by: str, count: int) -> list[str]:
+        """The pool entries that :meth:`mine` draws ``count`` from for ``pair`` (looked up by the last
+        refresh, or by an earlier ``mine``)."""
+        return [self.pool[j] for j in self._rows[(by, self._k(by, count), self._query(pair, by))]]
 
     def mine(
         self,

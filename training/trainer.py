@@ -245,6 +245,7 @@ class Trainer:
                 config.hard_pool,
                 config.hard_top,
                 config.seed,
+                config.paraphrase_floor,
             )
             if mined
             else None

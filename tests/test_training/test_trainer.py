@@ -543,6 +543,39 @@ def test_restatement_negatives_come_from_the_context_and_the_last_turns_neighbou
         assert not {normalize(t) for t in cands[1:]} & {normalize(t) for t in pair.context}
 
 
+def test_a_paraphrase_floor_keeps_only_neighbours_that_close_and_fills_the_list_at_random(
+    tmp_path, tiny_model_dir, toy_pairs
+):
+    pool = sorted({*pool_of(toy_pairs), *(f"filler {i}" for i in range(20))})
+    cfg = config(tmp_path, tiny_model_dir, mode="core", num_negatives=6, paraphrase_negatives=3)
+    pairs = toy_pairs[:8]
+
+    def mined_and_lists(floor: float) -> tuple[list[list[str]], list[list[str]]]:
+        trainer = Trainer(replace(cfg, paraphrase_floor=floor), toy_pairs, [], pool)
+        trainer.bi.eval()
+        trainer.miner.maybe_refresh(trainer.bi, 0)
+        mined = trainer.miner.mine(trainer.bi, pairs, np.random.default_rng(0), 3, "last_turn")
+        return mined, trainer._candidate_lists(pairs, np.random.default_rng(0))
+
+    trainer = Trainer(cfg, toy_pairs, [], pool)  # the same initial weights: the same cosines
+    last = trainer.bi.eval().embed_responses([p.context[-1] for p in pairs])  # [8, D]
+    cos = (
+        torch.nn.functional.normalize(last, dim=-1)
+        @ torch.nn.functional.normalize(trainer.bi.embed_responses(pool), dim=-1).T
+    )  # [8, P]
+    cosine = [dict(zip(pool, row.tolist(), strict=True)) for row in cos]
+    nearest, _ = mined_and_lists(0.0)
+    floor = float(np.median([cosine[i][t] for i, ts in enumerate(nearest) for t in ts]))
+    for value in (floor, 0.9999):
+        mined, lists = mined_and_lists(value)
+        assert all(cosine[i][t] >= value for i, ts in enumerate(mined) for t in ts)
+        assert sum(map(len, mined)) < sum(map(len, nearest))  # some were below it
+        assert all(len(cands) == 7 for cands in lists)  # random negatives make up the rest
+    assert any(mined_and_lists(floor)[0]) and not any(mined)
+    with pytest.raises(ValueError, match="paraphrase_floor"):
+        replace(cfg, paraphrase_floor=1.0)
+
+
 def test_first_lists_and_list_scores_show_what_a_run_trains_on(tmp_path, tiny_model_dir, toy_pairs):
     """The inspection API (bench/paraphrase_negatives.py): a fresh run's first lists, mined as the run
     mines them, and each model's scores of them as training computes them."""
