@@ -8,7 +8,8 @@ random ones) and reports:
 
 - the restatement judge's cosine (zero-shot all-MiniLM-L6-v2 between the candidate and the last turn,
   evaluation/restatement.py; >= 0.8 is a restatement) of the mined negatives and of the golds;
-- how many responses of the mining pool reach the judge's threshold per context;
+- how many responses of the mining pool reach the judge's threshold per context (copies of the
+  context's turns left out: the miner never offers them);
 - the share of lists whose first place is the gold, a mined negative or a random one, and the lists'
   cross-entropy, for the retriever, the reranker (``--cross``) and their sum, which is what a residual
   reranker (``--cross-residual``) trains on.
@@ -28,6 +29,7 @@ import numpy as np
 from coreply.checkpoint import load_bi
 from coreply.config import ZERO_SHOT, ModelConfig
 from coreply.corpus import build_pool, load_chitchat
+from coreply.text import normalize
 from evaluation.restatement import THRESHOLD, RestatementJudge
 from training.config import TrainConfig
 from training.losses import listwise_ce
@@ -98,7 +100,11 @@ def main() -> None:
         neg = judge.similarity([c for c, ns in zip(contexts, negatives, strict=True) for _ in ns], flat)
         gold = judge.similarity(contexts, golds)
         pool = judge.embed(list(trainer.miner.pool))  # [P, D]
-        above = (judge.embed([c[-1] for c in contexts]) @ pool.T >= THRESHOLD).sum(1)  # [contexts]
+        close = judge.embed([c[-1] for c in contexts]) @ pool.T >= THRESHOLD  # [contexts, P]
+        row = {key: j for j, key in enumerate(trainer.miner.keys)}
+        for i, context in enumerate(contexts):  # a copy of a context turn is an echo, never mined
+            close[i, [row[k] for k in map(normalize, context) if k in row]] = False
+        above = close.sum(1)  # [contexts]
 
     n = len(contexts)
 
@@ -116,7 +122,7 @@ def main() -> None:
             "share with none": round(100 * float(np.mean([not ns for ns in negatives])), 1),
         },
         "judge_cosine_with_last_turn": {"mined negatives": shares(neg), "golds": shares(gold)},
-        f"pool responses at >= {THRESHOLD} per context": {
+        f"pool responses at >= {THRESHOLD} per context, copies of its turns left out": {
             "pool": len(pool),
             "median": float(np.median(above)),
             "share with none": round(100 * float(np.mean(above == 0)), 1),
