@@ -188,6 +188,8 @@ class TrainConfig:
         if self.valid_candidates < 2:
             n = self.valid_candidates
             raise ValueError(f"valid_candidates (--valid-candidates) must be >= 2, got {n}")
+        if self.paraphrase_floor and not self.paraphrase_negatives:
+            raise ValueError("paraphrase_floor (--paraphrase-floor) filters --paraphrase-negatives: set both")
         chosen = ("hard_negatives", "own_turn_negatives", "paraphrase_negatives")
         if sum(getattr(self, name) for name in chosen) > self.num_negatives:
             raise ValueError(f"{' + '.join(chosen)} cannot exceed num_negatives ({self.num_negatives})")

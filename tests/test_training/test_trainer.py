@@ -572,8 +572,9 @@ def test_a_paraphrase_floor_keeps_only_neighbours_that_close_and_fills_the_list_
         assert sum(map(len, mined)) < sum(map(len, nearest))  # some were below it
         assert all(len(cands) == 7 for cands in lists)  # random negatives make up the rest
     assert any(mined_and_lists(floor)[0]) and not any(mined)
-    with pytest.raises(ValueError, match="paraphrase_floor"):
-        replace(cfg, paraphrase_floor=1.0)
+    for wrong in (dict(paraphrase_floor=1.0), dict(paraphrase_floor=0.5, paraphrase_negatives=0)):
+        with pytest.raises(ValueError, match="paraphrase_floor"):
+            replace(cfg, **wrong)
 
 
 def test_first_lists_and_list_scores_show_what_a_run_trains_on(tmp_path, tiny_model_dir, toy_pairs):
