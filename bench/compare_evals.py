@@ -15,6 +15,7 @@ hits@1, and the one-sided paired bootstrap p-value (10,000 resamples) that it is
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 from pathlib import Path
@@ -25,6 +26,7 @@ import numpy as np
 from evaluation.metrics import paired_bootstrap, per_case
 
 
+@functools.cache  # a file named in several rows is read once
 def load(path: str) -> dict[str, Any]:
     try:
         result = json.loads(Path(path).read_text())
@@ -44,6 +46,8 @@ def row(spec: str) -> tuple[str, np.ndarray]:
     rows = load(path).get(protocol) or []
     if index >= len(rows):
         raise SystemExit(f"compare_evals.py: {spec}: protocol {protocol} has {len(rows)} rows (see --list)")
+    if not {"system", "ranks"} <= set(rows[index]):
+        raise SystemExit(f"compare_evals.py: {spec}: the row has no system name or per-case ranks")
     return f"{Path(path).stem}#{protocol}{index} {rows[index]['system']}", per_case(
         rows[index]["ranks"], "hits@1"
     )

@@ -47,7 +47,7 @@ class HardNegativeMiner:
     * ``by="context"``: the pool entries the retriever ranks highest for the context (its own top
       ``top_k``, of which ``count`` are drawn at random): what it would wrongly answer.
     * ``by="last_turn"``: the pool entries nearest the context's *last turn* in the response space (the
-      nearest ``2 * count``, ``count`` drawn): paraphrases of what the user just said. In a pool of
+      nearest ``2 * count + 1``, ``count`` drawn): paraphrases of what the user just said. In a pool of
       chit-chat most of them are on-topic replies instead (docs/results.md 28); ``floor`` > 0 keeps only
       those whose cosine with the last turn is at least ``floor``, so a pair may get fewer, or none."""
 

@@ -101,11 +101,14 @@ def test_compare_evals_pairs_rows_across_files_and_names_a_bad_row_in_one_line(t
     p = [float(line.rsplit("p ", 1)[1]) for line in out[1:]]
     assert 0 < p[0] < 0.5 < p[1] < 1  # better by 2 of 4 cases; level
     short = evaluation(tmp_path / "short.json", [[1, 1]], [])
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps({"A": [{"system": "s0"}]}))
     for args, error in (
         ([f"{new}#C0", f"{old}#A0"], "name a row as FILE#A3"),
         ([f"{new}#B2", f"{old}#A0"], "protocol B has 2 rows"),
         ([f"{new}#A0", f"{short}#A0"], "2 cases, the first row has 4"),
         ([f"{new}#A0", f"{tmp_path}/missing.json#A0"], "cannot read an evaluation JSON"),
+        ([f"{new}#A0", f"{bare}#A0"], "no system name or per-case ranks"),
     ):
         run = subprocess.run(
             [sys.executable, str(ROOT / "bench" / "compare_evals.py"), *args], capture_output=True, text=True
