@@ -9,19 +9,21 @@
 # line of stages, ending with `pack`. A lease is 15 minutes of device time; the calls go back to back
 # (a machine left idle 30 s goes back), each with a timeout that leaves the next one its share:
 #
-#   bash scripts/gpu_lease.sh setup train wait:500 pack   # call 1, timeout_s 590: one run, ~400 s
-#   bash scripts/gpu_lease.sh setup eval:S pack           # call 2, S = budget_left_s - 90 (~1 min a run)
+#   bash scripts/gpu_lease.sh setup train wait:520 pack   # call 1, timeout_s 590: main's two runs, ~560 s
+#   bash scripts/gpu_lease.sh setup eval:S pack           # call 2, S = budget_left_s - 75 (~1 min a run)
 #   bash scripts/gpu_lease.sh setup speed:S pack          # call 3 with what is left (>= 200 s), or serve:S
 #
 # The lease of 2026-11-26 (H200; docs/results.md section 25) measured: a 35 s start, call 1 399 s for
 # CORE's run (12 s setup, 363 s the run: 9 s of tokenising, 289 s of 1,610 steps, 8 validations, the
 # saves; 20 s pack), evaluations of 55 s (CORE), 69 s (its compact reranker) and 33 s (zero-shot).
-# Every training run has a wall-clock budget of RUN_MINUTES (default 7.5; `coreply train --max-minutes`:
-# it plans its steps from its measured step and validation times, so its learning rate decays to zero
-# and its last validation ends inside the budget); at most one epoch (1,845 steps of 64 contexts, about
+# Every training run has a wall-clock budget of RUN_MINUTES (default 7.5, 3.75 for main's two runs;
+# `coreply train --max-minutes`: it plans its steps from its measured step and validation times, so its
+# learning rate decays to zero and its last validation ends inside the budget); at most one epoch (1,845 steps of 64 contexts, about
 # 5 minutes of steps on an H200, 6 on an H100), and early stopping after 3 validations without a gain.
 # At 7.5 minutes the epoch, not the clock, bounds a run on either card, so runs of different leases
-# follow one schedule. QUEUE picks the runs (below); its default is CORE on random lists (core-plain).
+# follow one schedule. QUEUE picks the runs (below); its default, main, is CORE and independent training
+# on random lists (core-plain, independent-plain) at 3.75 minutes each: about 1,100 steps (60 % of an
+# epoch) on an H100, past where section 25's reranker peaked (step 460-690) and its retriever (920-1150).
 #
 # setup   installs .lease/ into /tmp/site in seconds (the GPU host has torch and transformers, not the
 #         project's data packages); the base weights arrive in fp16 and are widened to fp32, and adapters
@@ -90,6 +92,7 @@ else
   # an epoch): the reranker's on 1-of-100 lists, the retriever's over 20,000 responses (--valid-pool:
   # 1-of-N lists did not see what mined negatives gained on the full pool, docs/results.md §15-16), a
   # residual reranker's by its sum with its retriever over that retriever's first 10 of the 20,000.
+  [ "${QUEUE:-main}" = main ] && RUN_MINUTES=${RUN_MINUTES:-3.75}  # two runs in one 15-minute lease
   BUDGET=(--epochs "${EPOCHS:-1}" --max-minutes "${RUN_MINUTES:-7.5}" --batch-size 64 --num-negatives 31 --in-batch --eval-every 230
     --valid-size 1000 --valid-candidates 100 --valid-pool 20000 --patience 3)
   # n_r = 200 cost half of an evaluation's reranking in the lease of 2026-11-25 and changed no hits@1;
@@ -177,11 +180,11 @@ RUNS=(
   "grounded-reciprocal|ground train --knowledge reciprocal ${GROUNDED[*]}"
 )
 
-# QUEUE picks the runs: "main" (default: CORE on random lists, core-plain, the one run a 15-minute lease
-# affords; `wait` returns when it is done), "all", or names
+# QUEUE picks the runs: "main" (default: core-plain and independent-plain, at RUN_MINUTES 3.75 the two runs
+# a 15-minute lease affords with their evaluations; `wait` returns when both are done), "all", or names
 # ("core core-hard ..."). Evaluation covers every run that finished, whichever queue trained it.
 case ${QUEUE:-main} in
-main) QUEUE_NAMES="core-plain" ;;
+main) QUEUE_NAMES="core-plain independent-plain" ;;
 all) QUEUE_NAMES=$(for e in "${RUNS[@]}"; do printf '%s ' "${e%%|*}"; done) ;;
 *) QUEUE_NAMES=$QUEUE ;;
 esac
@@ -437,45 +440,43 @@ print(int(os.path.getmtime(sys.argv[1]) + m * 60 + 60) if m else 0)" "$cfg")
     end=$(seconds "$1" 86400)
     end=$((SECONDS + end))
     for entry in "${RUNS[@]}"; do names+=("${entry%%|*}"); done
-    for name in "${names[@]}" zero-shot; do  # the queue's order, zero-shot last
-      [ -f "$LEASE/eval-$name.json" ] && [[ " $PACK_FULL " != *" $name "* ]] && continue
+    # every finished run in the queue's order, then the compact copies of PACK_FULL's rerankers (the form
+    # that would ship), zero-shot last: a short call measures the comparisons first
+    local r=-r$PACK_RANK compact=()
+    for name in $PACK_FULL; do compact+=("$name$r"); done
+    for name in "${names[@]}" "${compact[@]}" zero-shot; do
+      [ -f "$LEASE/eval-$name.json" ] && continue
       [ "$name" = dial-mae ] && continue  # an encoder to fine-tune from, not a retriever
       if [[ $name == grounded-* ]]; then  # protocol A with the knowledge each ranker reads, vs none
-        [ -f "$LEASE/$name/summary.json" ] && [ ! -f "$LEASE/ground-eval-$name.json" ] || continue
+        [ -f "$LEASE/$name/summary.json" ] || continue
         local ground=(--cross "$LEASE/$name/cross")
         [ -d "$LEASE/$name/knowledge" ] && ground+=(--knowledge-retriever "$LEASE/$name/knowledge")
         [ -f "$LEASE/ground-eval-grounded-none.json" ] && ground+=(--against "$LEASE/ground-eval-grounded-none.json")
-        timeout $((end - SECONDS)) "${COREPLY[@]}" ground eval --out "$LEASE/ground-eval-$name.json" \
-          --name "$name" "${GROUNDED_EVAL[@]}" --device "$DEVICE" "${ground[@]}" >"$LEASE/ground-eval-$name.log" 2>&1 ||
-          echo "eval $name failed or cut off" >>"$LEASE/queue.log"
+        [ -f "$LEASE/ground-eval-$name.json" ] || timeout $((end - SECONDS)) "${COREPLY[@]}" ground eval \
+          --out "$LEASE/ground-eval-$name.json" --name "$name" "${GROUNDED_EVAL[@]}" --device "$DEVICE" "${ground[@]}" \
+          >"$LEASE/ground-eval-$name.log" 2>&1 || echo "eval $name failed or cut off" >>"$LEASE/queue.log"
         continue
       fi
-      local bi=zero-shot parts=()
+      local run=${name%"$r"} bi=zero-shot parts=()
       if [ "$name" != zero-shot ]; then
-        [ -f "$LEASE/$name/summary.json" ] || continue
-        bi="$LEASE/$name/bi"
+        [ -f "$LEASE/$run/summary.json" ] || continue
+        bi="$LEASE/$run/bi"
         # a reranker alone: behind the retriever it was trained with (--init-bi), else CORE's
         [ -d "$bi" ] || bi=$(python3 -c "import json, sys
-print(json.load(open(sys.argv[1])).get('init_bi') or sys.argv[2])" "$LEASE/$name/train_config.json" "$LEASE/core/bi")
-        [ -d "$LEASE/$name/cross" ] && parts+=(--cross "$LEASE/$name/cross")
-        [ "$name" = independent ] && parts+=(--retriever bm25 bi)
+print(json.load(open(sys.argv[1])).get('init_bi') or sys.argv[2])" "$LEASE/$run/train_config.json" "$LEASE/core/bi")
+        if [ "$name" = "$run" ]; then
+          [ -d "$LEASE/$run/cross" ] && parts+=(--cross "$LEASE/$run/cross")
+          [ "$run" = independent ] && parts+=(--retriever bm25 bi)
+        else  # behind the retriever the run's own evaluation used
+          [ -f "$LEASE/$run/cross/model.safetensors" ] && [ -f "$LEASE/eval-$run.json" ] || continue
+          copies "$run" >"$LEASE/eval-$name.log" 2>&1 || { echo "eval $name: no compact copy" >>"$LEASE/queue.log"; continue; }
+          parts=(--cross "$LEASE/$run/cross$r")
+        fi
       fi
       local left=$((end - SECONDS))
       [ $left -gt 60 ] || { echo "eval: out of time before $name"; break; }
-      [ -f "$LEASE/eval-$name.json" ] || timeout "$left" "${COREPLY[@]}" eval --out "$LEASE/eval-$name.json" \
-        "${EVAL[@]}" --device "$DEVICE" --bi "$bi" "${parts[@]}" >"$LEASE/eval-$name.log" 2>&1 ||
-        echo "eval $name failed or cut off" >>"$LEASE/queue.log"
-      # right after it, for PACK_FULL's runs, the compact form the default would ship (see pack)
-      local small="$LEASE/$name/cross-r$PACK_RANK"
-      [[ " $PACK_FULL " == *" $name "* ]] && [ -f "$LEASE/eval-$name.json" ] || continue
-      [ -f "$LEASE/$name/cross/model.safetensors" ] && [ ! -f "$LEASE/eval-$name-r$PACK_RANK.json" ] || continue
-      left=$((end - SECONDS))
-      [ $left -gt 60 ] || { echo "eval: out of time before $name-r$PACK_RANK"; break; }
-      # behind the retriever the run's own evaluation used (a reranker alone has no bi/)
-      { copies "$name" && timeout "$left" \
-        "${COREPLY[@]}" eval --out "$LEASE/eval-$name-r$PACK_RANK.json" "${EVAL[@]}" --device "$DEVICE" \
-        --bi "$bi" --cross "$small"; } >"$LEASE/eval-$name-r$PACK_RANK.log" 2>&1 ||
-        echo "eval $name-r$PACK_RANK failed or cut off" >>"$LEASE/queue.log"
+      timeout "$left" "${COREPLY[@]}" eval --out "$LEASE/eval-$name.json" "${EVAL[@]}" --device "$DEVICE" \
+        --bi "$bi" "${parts[@]}" >>"$LEASE/eval-$name.log" 2>&1 || echo "eval $name failed or cut off" >>"$LEASE/queue.log"
     done
     local summaries=()  # the training runs' (the grounded runs have their own evals, ground-eval-*.json)
     for f in "$LEASE"/*/summary.json; do [[ $f == */grounded-* ]] || summaries+=("$f"); done
