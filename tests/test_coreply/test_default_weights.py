@@ -20,9 +20,9 @@ def test_shipped_weights_verify_and_name_the_installed_base_model():
     assert {"command", "data", "date", "test_metrics", "train_config"} <= set(meta["extra"])
 
 
-def test_the_reranker_the_next_lease_starts_from_verifies_and_names_the_installed_base_model():
-    """``core-cross-r32/`` travels to the GPU host with the tree: scripts/gpu_lease.sh's main run starts
-    from it, so it must load there as here (its base named by sha256 and by fp16 fingerprint)."""
+def test_the_reranker_a_lease_run_starts_from_verifies_and_names_the_installed_base_model():
+    """``core-cross-r32/`` travels to the GPU host with the tree: scripts/gpu_lease.sh's residual-core run
+    starts from it, so it must load there as here (its base named by sha256 and by fp16 fingerprint)."""
     meta = read_meta(DEFAULT_BI.parent / "core-cross-r32")
     assert meta["kind"] == "cross" and set(meta["files"]) == {"adapter.safetensors"}
     config = ModelConfig.from_dict(meta["model_config"])
