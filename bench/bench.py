@@ -54,6 +54,29 @@ def provenance() -> dict[str, str]:
     }
 
 
+def operators(prof, cuda: bool, batches: int, top: int) -> list[dict]:
+    """The ``top`` operators of a ``torch.profiler`` run by self device time (host time without CUDA),
+    per batch (or step), in ms."""
+    rows = []
+    for event in prof.key_averages():
+        device_us = getattr(event, "self_device_time_total", 0) if cuda else 0
+        rows.append(
+            {
+                "op": event.key,
+                "calls_per_batch": round(event.count / batches, 1),
+                "self_host_ms": round(event.self_cpu_time_total / 1000 / batches, 3),
+                "self_device_ms": round(device_us / 1000 / batches, 3),
+            }
+        )
+    rows.sort(key=lambda r: r["self_device_ms" if cuda else "self_host_ms"], reverse=True)
+    return rows[:top]
+
+
+def device_busy_share(prof, wall: float) -> float:
+    """The share of ``wall`` seconds in which a ``torch.profiler`` run's CUDA kernels ran."""
+    return round(sum(e.self_device_time_total for e in prof.key_averages()) / 1e6 / wall, 3)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -23,7 +23,11 @@ from torch.profiler import ProfilerActivity, profile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench import provenance  # bench/bench.py: this script's directory is on sys.path
+from bench import (
+    device_busy_share,
+    operators,
+    provenance,
+)  # bench/bench.py: this script's directory is on sys.path
 from coreply.bundle import BACKENDS, BundleError, load_bundle, make_backend, pipeline, search_on
 from coreply.corpus import load_chitchat
 from coreply.device import resolve_device
@@ -48,23 +52,6 @@ def answer(ranking: Pipeline, queries: list[Query], n_r: int, cuda: bool) -> dic
         "rerank": done - recalled,
         "total": done - start,
     }
-
-
-def operators(prof: profile, cuda: bool, batches: int, top: int) -> list[dict]:
-    """The ``top`` operators by self device time (host time without CUDA), per batch, in ms."""
-    rows = []
-    for event in prof.key_averages():
-        device_us = getattr(event, "self_device_time_total", 0) if cuda else 0
-        rows.append(
-            {
-                "op": event.key,
-                "calls_per_batch": round(event.count / batches, 1),
-                "self_host_ms": round(event.self_cpu_time_total / 1000 / batches, 3),
-                "self_device_ms": round(device_us / 1000 / batches, 3),
-            }
-        )
-    rows.sort(key=lambda r: r["self_device_ms" if cuda else "self_host_ms"], reverse=True)
-    return rows[:top]
 
 
 def main() -> None:
@@ -104,13 +91,12 @@ def main() -> None:
                 answer(ranking, b, args.n_r, cuda)
             wall = time.perf_counter() - start
         ops = operators(prof, cuda, len(batches), args.top)
-        device_busy = sum(e.self_device_time_total for e in prof.key_averages()) / 1e6 if cuda else None
         row = {
             "batch": size,
             "batches": len(batches),
             "ms_per_batch": stages,
             "requests_per_s": round(len(contexts) / sum(t["total"] for t in times), 1),
-            "device_busy_share": round(device_busy / wall, 3) if device_busy is not None else None,
+            "device_busy_share": device_busy_share(prof, wall) if cuda else None,
             "operators": ops,
         }
         result["rows"].append(row)

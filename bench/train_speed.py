@@ -15,6 +15,10 @@ the id cache), ``no-prefetch``, ``chunks=N`` (reranker pairs in token-budget chu
 ``compile``, ``mined=N`` (N of the negatives are the pool's paraphrases of the last turn, mined by the
 retriever as the lease's runs do; the miner's refresh, every ``hard_refresh`` steps, falls in the warm-up,
 so the timed steps show the per-step cost of mining, not the refresh's).
+
+``--profile N`` runs N more steps of each row under ``torch.profiler``: where a step's time goes (the
+top operators by device time on CUDA, host time on the CPU) and, on CUDA, the share of the wall the
+device was busy (well below 1: the host or synchronisation holds the GPU back).
 """
 
 from __future__ import annotations
@@ -30,10 +34,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-from bench import provenance  # bench/bench.py: this script's directory is on sys.path
+from bench import (
+    device_busy_share,
+    operators,
+    provenance,
+)  # bench/bench.py: this script's directory is on sys.path
 from coreply.artifacts import write_json_atomic
 from coreply.checkpoint import save_checkpoint
 from coreply.config import ModelConfig
@@ -104,10 +113,38 @@ def step_flops(trainer: Trainer, batches: list) -> float:
     return total
 
 
+def train(trainer: Trainer, first: int, steps: int) -> dict[str, float]:
+    """``steps`` optimizer steps from step ``first``, with one host synchronisation, as a run logs."""
+    window = None
+    for i in range(first, first + steps):
+        logs = trainer.train_step(*divmod(i, trainer.steps_per_epoch))
+        window = logs if window is None else (window.merge(logs) or window)
+    losses = trainer.reduce_losses(window, steps)
+    _sync(trainer.device)
+    return losses
+
+
+def profiled(trainer: Trainer, first: int, steps: int, top: int = 15) -> dict[str, Any]:
+    """``steps`` more steps under ``torch.profiler``: the wall per step, the device's busy share, and
+    the ``top`` operators per step."""
+    cuda = trainer.device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        start = time.perf_counter()
+        train(trainer, first, steps)
+        wall = time.perf_counter() - start
+    return {
+        "steps": steps,
+        "ms_per_step": round(1000 * wall / steps, 1),
+        "device_busy_share": device_busy_share(prof, wall) if cuda else None,
+        "operators": operators(prof, cuda, steps, top),
+    }
+
+
 def measure(
-    cfg: TrainConfig, pairs, pool, variant: str, warmup: int, steps: int, epoch: int
+    cfg: TrainConfig, pairs, pool, variant: str, warmup: int, steps: int, epoch: int, profile_steps: int = 0
 ) -> dict[str, Any]:
-    """Throughput of ``steps`` optimizer steps; ``epoch``: contexts in one epoch, for its duration."""
+    """Throughput of ``steps`` optimizer steps (then ``profile_steps`` under the profiler); ``epoch``:
+    contexts in one epoch, for its duration."""
     trainer = Trainer(cfg, pairs, [], pool)
     if variant == "no-cache":
         for model in (trainer.bi, trainer.cross, trainer.teacher):
@@ -126,12 +163,7 @@ def measure(
     _sync(trainer.device)
     flops[0], trainer.token_counts = 0.0, {}
     start = time.perf_counter()
-    window = None
-    for i in range(warmup, warmup + steps):
-        logs = trainer.train_step(*divmod(i, trainer.steps_per_epoch))
-        window = logs if window is None else (window.merge(logs) or window)
-    losses = trainer.reduce_losses(window, steps)
-    _sync(trainer.device)
+    losses = train(trainer, warmup, steps)
     seconds = time.perf_counter() - start
     counts = trainer.token_counts
     real = sum(v for k, v in counts.items() if k.endswith("_tokens"))
@@ -148,6 +180,8 @@ def measure(
         "peak_memory_gib": round(memory, 1) if memory is not None else None,
         "losses": {k: round(v, 4) for k, v in losses.items()},
     }
+    if profile_steps:
+        result["profile"] = profiled(trainer, warmup + steps, profile_steps)
     return result
 
 
@@ -186,14 +220,15 @@ def main() -> None:
     p.add_argument("--in-batch", action="store_true", help="the retriever also ranks other contexts' lists")
     p.add_argument("--steps", type=int, default=20, help="timed optimizer steps per mode")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--profile", type=int, default=0, help="then N steps under torch.profiler, per row")
     p.add_argument("--pairs", type=int, default=0, help="use the first N training pairs (0 = all 118,111)")
     p.add_argument("--device", default="auto")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     if min(args.steps, args.batch_size, args.num_negatives) < 1:
         raise SystemExit("train_speed: --steps, --batch-size and --num-negatives must be >= 1")
-    if min(args.warmup, args.pairs, args.max_batch_tokens) < 0:
-        raise SystemExit("train_speed: --warmup, --pairs and --max-batch-tokens must be >= 0")
+    if min(args.warmup, args.pairs, args.max_batch_tokens, args.profile) < 0:
+        raise SystemExit("train_speed: --warmup, --pairs, --max-batch-tokens and --profile must be >= 0")
 
     device = resolve_device(args.device)
     work = Path(tempfile.mkdtemp(prefix="train-speed-"))
@@ -242,7 +277,9 @@ def main() -> None:
                 cfg = config_for(base, mode, variant, str(teacher))
             except ValueError as exc:  # e.g. mined=N with fewer negatives than N
                 raise SystemExit(f"train_speed: --variant {variant}: {exc}") from None
-            r = measure(cfg, pairs, pool, variant, args.warmup, args.steps, len(splits["train"]))
+            r = measure(
+                cfg, pairs, pool, variant, args.warmup, args.steps, len(splits["train"]), args.profile
+            )
             gc.collect()  # the run's models go before the next one starts
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -258,6 +295,16 @@ def main() -> None:
                 f"MFU {r.get('mfu', r['mfu_vs_measured_matmul']):.3f} epoch {r['epoch_minutes']} min",
                 flush=True,
             )
+            if "profile" in r:
+                prof = r["profile"]
+                busy = prof["device_busy_share"]
+                print(
+                    f"  {prof['ms_per_step']} ms a step"
+                    + (f", device busy {busy:.0%}" if busy is not None else "")
+                )
+                for op in prof["operators"][:8]:
+                    ms = f"{op['self_device_ms']:>8} device / {op['self_host_ms']:>8} host ms a step"
+                    print(f"  {op['op'][:48]:<48} {op['calls_per_batch']:>7} calls {ms}")
             write_json_atomic(Path(args.out), result)  # after every row: a run cut off keeps what it measured
     print(f"wrote {args.out}")
 

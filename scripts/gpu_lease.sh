@@ -29,9 +29,10 @@
 #         project's data packages); the base weights arrive in fp16 and are widened to fp32, and adapters
 #         name their base by its fp16 fingerprint, so weights trained there load here (coreply.checkpoint).
 # speed:S bench/train_speed.py for at most S seconds: contexts/s, tokens/s and MFU of CORE with
-#         SPEED_VARIANTS (default: base; batch 128; about 4 length-sorted chunks a step, 65,536 tokens
-#         each, as 8,192 were 9x slower; then torch.compile, which may fail. The data path's ablations
-#         and mining's cost were measured in the lease of 2026-11-25), then the other modes.
+#         SPEED_VARIANTS (default: base, with 3 steps under torch.profiler: where a step's time goes.
+#         Batch 128, 65,536-token chunks and torch.compile were measured on an H200 and an H100 and lost
+#         or tied, the data path's ablations and mining's cost in the lease of 2026-11-25: results.md
+#         18.1, 25.2, 29.3), then the other modes.
 # train   starts the queue (QUEUE's runs, below) in a background session that outlives the call, unless
 #         one is running; a run with a summary.json is skipped, so a fresh machine given runs/lease back
 #         goes on with the rest, and one stopped on this machine resumes (budget included).
@@ -78,7 +79,7 @@ if [ "${DRY:-0}" = 1 ]; then
   DEVICE=cpu
   BUDGET=(--max-steps 2 --max-minutes 5 --batch-size 4 --num-negatives 15 --eval-every 2 --valid-size 20 --valid-candidates 10 --valid-pool 100)
   EVAL=(--limit 20 --valid-limit 20 --pool-limit 500 --n-r 10 --candidates 10 --prior-pairs none)
-  SPEED=(--steps 1 --warmup 0 --pairs 500 --batch-size 4 --num-negatives 7)
+  SPEED=(--steps 1 --warmup 0 --pairs 500 --batch-size 4 --num-negatives 7 --profile 1)
   HARD_POOL=500
   MAE_STEPS=2
   GROUNDED=(--max-steps 2 --batch-size 2 --num-negatives 3 --top-m 2 --valid-size 10 --valid-candidates 5)
@@ -99,7 +100,8 @@ else
   # n_r = 5 is half a CPU default's reranking cost (a 6-layer reranker at 10 costs ~50 ms there)
   EVAL=(--limit 2000 --valid-limit 500 --n-r 5 10 50 100)
   # throughput does not depend on the corpus size: 20,000 pairs keep each measurement's set-up short
-  SPEED=(--steps 20 --warmup 5 --pairs 20000 --batch-size 64 --num-negatives 31 --in-batch)
+  # and 3 more steps under torch.profiler: where a step's time goes, and how busy the GPU is (MFU 8-10 %)
+  SPEED=(--steps 20 --warmup 5 --pairs 20000 --batch-size 64 --num-negatives 31 --in-batch --profile 3)
   HARD_POOL=20000
   # Knowledge-grounded ranking at the paper's sizes (m = 5, 15 negatives, 128 knowledge tokens)
   GROUNDED=(--max-steps "${GROUNDED_STEPS:-1000}" --batch-size 16 --num-negatives 15 --top-m 5
@@ -386,7 +388,7 @@ with lzma.open('.lease/dataset.json.xz') as src, open('/tmp/site/chitchat_datase
     # written when measured: a cut keeps them)
     [ -f "$LEASE/train-speed-modes.json" ] && { echo "== speed: done"; return; }
     local end variants
-    read -ra variants <<<"${SPEED_VARIANTS:-base batch=128 chunks=65536 compile}"
+    read -ra variants <<<"${SPEED_VARIANTS:-base}"
     end=$(seconds "$1" 86400)
     end=$((SECONDS + end))
     timeout $((end - SECONDS)) python3 bench/train_speed.py --device "$DEVICE" "${SPEED[@]}" --modes core \

@@ -13,7 +13,8 @@ def test_train_speed_reports_throughput_padding_and_utilisation_per_mode_and_var
     run = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "train_speed.py"), "--device", "cpu", "--steps", "1",
          "--warmup", "1", "--pairs", "300", "--batch-size", "4", "--num-negatives", "3",
-         "--modes", "core", "distill", "--variant", "base", "chunks=64", "mined=1", "--out", str(out)],
+         "--modes", "core", "distill", "--variant", "base", "chunks=64", "mined=1", "--profile", "1",
+         "--out", str(out)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
@@ -25,6 +26,11 @@ def test_train_speed_reports_throughput_padding_and_utilisation_per_mode_and_var
         assert r["contexts_per_s"] > 0 and r["tokens_per_s"] > 0 and r["model_tflops_per_s"] > 0
         assert 0 < r["mfu_vs_measured_matmul"] < 1
         assert "bi_loss" in r["losses"]
+        # one more step under the profiler: where its time went, operator by operator (host time on a CPU)
+        prof = r["profile"]
+        assert prof["steps"] == 1 and prof["ms_per_step"] > 0 and prof["device_busy_share"] is None
+        assert any(op["op"] in ("aten::addmm", "aten::mm", "aten::bmm") for op in prof["operators"])
+        assert sum(op["self_host_ms"] for op in prof["operators"]) <= prof["ms_per_step"]
     # chunking the reranker's pairs by a token budget pads less than one batch padded to the longest
     assert rows["core", "chunks=64"]["padding_share"] < rows["core", "base"]["padding_share"]
     assert "cross_loss" not in rows["distill", "base"]["losses"]  # distill trains the retriever only
