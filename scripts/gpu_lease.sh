@@ -18,8 +18,9 @@
 # saves; 20 s pack), evaluations of 55 s (CORE), 69 s (its compact reranker) and 33 s (zero-shot).
 # Every training run has a wall-clock budget of RUN_MINUTES (default 7.5, 3.75 for main's two runs;
 # `coreply train --max-minutes`: it plans its steps from its measured step and validation times, so its
-# learning rate decays to zero and its last validation ends inside the budget); at most one epoch (1,845 steps of 64 contexts, about
-# 5 minutes of steps on an H200, 6 on an H100), and early stopping after 3 validations without a gain.
+# learning rate decays to zero and its last validation ends inside the budget); at most one epoch (1,845
+# steps of 64 contexts, about 5 minutes of steps on an H200, 6 on an H100), and early stopping after 3
+# validations without a gain.
 # At 7.5 minutes the epoch, not the clock, bounds a run on either card, so runs of different leases
 # follow one schedule. QUEUE picks the runs (below); its default, main, is CORE and independent training
 # on random lists (core-plain, independent-plain) at 3.75 minutes each: about 1,100 steps (60 % of an
@@ -449,6 +450,7 @@ print(int(os.path.getmtime(sys.argv[1]) + m * 60 + 60) if m else 0)" "$cfg")
     for name in "${names[@]}" "${compact[@]}" zero-shot; do
       [ -f "$LEASE/eval-$name.json" ] && continue
       [ "$name" = dial-mae ] && continue  # an encoder to fine-tune from, not a retriever
+      [ $((end - SECONDS)) -gt 60 ] || { echo "eval: out of time before $name"; break; }
       if [[ $name == grounded-* ]]; then  # protocol A with the knowledge each ranker reads, vs none
         [ -f "$LEASE/$name/summary.json" ] || continue
         local ground=(--cross "$LEASE/$name/cross")
@@ -475,9 +477,7 @@ print(json.load(open(sys.argv[1])).get('init_bi') or sys.argv[2])" "$LEASE/$run/
           parts=(--cross "$LEASE/$run/cross$r")
         fi
       fi
-      local left=$((end - SECONDS))
-      [ $left -gt 60 ] || { echo "eval: out of time before $name"; break; }
-      timeout "$left" "${COREPLY[@]}" eval --out "$LEASE/eval-$name.json" "${EVAL[@]}" --device "$DEVICE" \
+      timeout $((end - SECONDS)) "${COREPLY[@]}" eval --out "$LEASE/eval-$name.json" "${EVAL[@]}" --device "$DEVICE" \
         --bi "$bi" "${parts[@]}" >>"$LEASE/eval-$name.log" 2>&1 || echo "eval $name failed or cut off" >>"$LEASE/queue.log"
     done
     local summaries=()  # the training runs' (the grounded runs have their own evals, ground-eval-*.json)
