@@ -1,6 +1,7 @@
 """The benchmark scripts on the tiny models: CPU smoke runs that keep them working (for a GPU lease too)."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -47,6 +48,7 @@ def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):
         ("rerank_ops.py", ["--bundle", str(tiny_bundle), "--n-r", "0"], "--n-r"),
         ("quantisation.py", ["--bi", str(tiny_core / "bi"), "--limit", "20", "--pool", "5"], "--pool: "),
         ("restatement_guard.py", ["--bundle", str(tiny_bundle), "--against", str(other)], "--against "),
+        ("retriever_sum.py", ["--bi", str(tmp_path), str(tiny_core / "bi"), "--out", str(other)], "--bi: "),
     ):
         run = subprocess.run(
             [sys.executable, str(ROOT / "bench" / script), *args], capture_output=True, text=True
@@ -114,3 +116,27 @@ def test_compare_evals_pairs_rows_across_files_and_names_a_bad_row_in_one_line(t
             [sys.executable, str(ROOT / "bench" / "compare_evals.py"), *args], capture_output=True, text=True
         )
         assert run.returncode != 0 and error in run.stderr and len(run.stderr.splitlines()) == 1, run.stderr
+
+
+def test_retriever_sum_ranks_by_both_retrievers_scores(tmp_path, tiny_core):
+    from coreply.checkpoint import read_meta, save_checkpoint
+    from coreply.config import ModelConfig
+    from coreply.models import BiEncoder
+
+    trained = tiny_core / "bi"
+    twin, untrained = tmp_path / "twin", tmp_path / "untrained"
+    shutil.copytree(trained, twin)  # the same retriever under another name
+    config = ModelConfig.from_dict(read_meta(trained)["model_config"])
+    save_checkpoint(BiEncoder.from_pretrained(config), untrained, {})  # a different one
+    for other in (twin, untrained):
+        out = tmp_path / f"{other.name}.json"
+        bench("retriever_sum.py", "--bi", str(trained), str(other), "--split", "valid", "test",
+              "--limit", "10", "--pool", "80", "--out", str(out))  # fmt: skip
+        result = json.loads(out.read_text())
+        assert result["pool_size"] == 80 and [r["split"] for r in result["B"]] == ["valid"] * 3 + ["test"] * 3
+        assert all(0 <= r["metrics"]["hits@1"] <= r["metrics"]["hits@10"] <= 100 for r in result["B"])
+        for total in (result["B"][2], result["B"][5]):
+            assert total["system"].endswith(": sum") and set(total["against"]) == {str(trained), str(other)}
+        twice = [result["B"][i]["ranks"] for i in (0, 2, 3, 5)]  # each split: the trained one, the sum
+        if other == twin:  # the same scores twice: the sum keeps the retriever's order exactly
+            assert twice[0] == twice[1] and twice[2] == twice[3]
