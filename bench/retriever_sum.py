@@ -55,9 +55,8 @@ class Sum:
         return torch.cat([self.a.embed_responses(texts), self.b.embed_responses(texts)], 1)  # [P, Da + Db]
 
     def embed_contexts(self, contexts: Sequence[Sequence[str]]) -> torch.Tensor:
-        return torch.cat(
-            [self.a.embed_contexts(contexts), self.b.embed_contexts(contexts)], 1
-        )  # [N, Da + Db]
+        both = [self.a.embed_contexts(contexts), self.b.embed_contexts(contexts)]
+        return torch.cat(both, 1)  # [N, Da + Db]
 
 
 def main() -> None:
@@ -68,15 +67,17 @@ def main() -> None:
     p.add_argument("--pool", type=int, default=0, help="a sub-pool of N responses (0: the full pool)")
     p.add_argument("--out", type=Path, required=True, help="JSON file to write")
     args = p.parse_args()
-    if args.limit < 1 or args.pool < 0:
-        raise SystemExit("--limit: give at least 1 pair (and --pool 0 or more responses)")
+    if args.limit < 1:
+        raise SystemExit("--limit: give at least 1 pair")
+    if args.pool < 0:
+        raise SystemExit("--pool: give 0 (the full pool) or a number of responses")
+    if args.bi[0] == args.bi[1]:
+        raise SystemExit("--bi: name two different retrievers")
     splits = load_chitchat()
     golds = [pair for s in args.split for pair in splits[s][: args.limit]]
     pool = pool_for_eval(responses_of(splits), golds, args.pool or None, 0)
     if args.pool and len(pool) > args.pool:
         raise SystemExit(f"--pool: the golds alone are {len(pool)} responses; give at least that many")
-    if args.bi[0] == args.bi[1]:
-        raise SystemExit("--bi: name two different retrievers")
     try:
         models = [PoolCached(load_bi(path), pool) for path in args.bi]
     except (OSError, ValueError) as exc:  # a CheckpointError too

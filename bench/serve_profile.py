@@ -23,11 +23,8 @@ from torch.profiler import ProfilerActivity, profile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench import (
-    device_busy_share,
-    operators,
-    provenance,
-)  # bench/bench.py: this script's directory is on sys.path
+# bench/bench.py: this script's directory is on sys.path
+from bench import device_busy_share, operators, provenance
 from coreply.bundle import BACKENDS, BundleError, load_bundle, make_backend, pipeline, search_on
 from coreply.corpus import load_chitchat
 from coreply.device import resolve_device

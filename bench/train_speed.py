@@ -38,11 +38,8 @@ from torch.profiler import ProfilerActivity, profile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-from bench import (
-    device_busy_share,
-    operators,
-    provenance,
-)  # bench/bench.py: this script's directory is on sys.path
+# bench/bench.py: this script's directory is on sys.path
+from bench import device_busy_share, operators, provenance
 from coreply.artifacts import write_json_atomic
 from coreply.checkpoint import save_checkpoint
 from coreply.config import ModelConfig
