@@ -73,6 +73,8 @@ def main() -> None:
         raise SystemExit("--pool: give 0 (the full pool) or a number of responses")
     if args.bi[0] == args.bi[1]:
         raise SystemExit("--bi: name two different retrievers")
+    if not args.out.parent.is_dir():  # found now, not after half an hour of encoding
+        raise SystemExit(f"--out: {args.out.parent} is not a folder; create it or name another")
     splits = load_chitchat()
     golds = [pair for s in args.split for pair in splits[s][: args.limit]]
     pool = pool_for_eval(responses_of(splits), golds, args.pool or None, 0)

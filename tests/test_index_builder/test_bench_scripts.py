@@ -49,6 +49,11 @@ def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):
         ("quantisation.py", ["--bi", str(tiny_core / "bi"), "--limit", "20", "--pool", "5"], "--pool: "),
         ("restatement_guard.py", ["--bundle", str(tiny_bundle), "--against", str(other)], "--against "),
         ("retriever_sum.py", ["--bi", str(tmp_path), str(tiny_core / "bi"), "--out", str(other)], "--bi: "),
+        (
+            "retriever_sum.py",
+            ["--bi", str(tmp_path), str(tiny_core), "--out", str(tmp_path / "no/x.json")],
+            "--out: ",
+        ),
     ):
         run = subprocess.run(
             [sys.executable, str(ROOT / "bench" / script), *args], capture_output=True, text=True
