@@ -144,6 +144,11 @@ RUNS=(
   # loss kept falling; residual-core, on random lists from that reranker, did not move the test (29).
   "core-plain|--mode core"
   "independent-plain|--mode independent"
+  # Next, by what the pair shows (QUEUE="core-plain-g1 core-plain-lr5e-5"): if only independent-plain's
+  # reranker passes 35.5, CORE's pull toward the retriever (gamma_G = 3, the paper's) is what holds it;
+  # if neither does, the rate: 1e-4 was a bet over the paper's 5e-5 on 200 CPU steps (results.md 22).
+  "core-plain-g1|--mode core --gamma-g 1"
+  "core-plain-lr5e-5|--mode core --cross-lr 5e-5"
   # restatement negatives that are closer to being ones: only neighbours at cosine 0.8 or more (0.7 per
   # list on average, a sixth of them restatements by the judge, against 3 % without; results.md 30)
   "core-floor|--mode core ${RESTATE[*]} --paraphrase-floor 0.8"
