@@ -1,9 +1,10 @@
 """Two retrievers, and their sum: does one index of both retrievers' vectors side by side (its inner
-product is the sum of their scores) answer better than either alone? Protocol B in the retrievers' own
-order: the first ``--limit`` pairs of each split over the full pool (or, with ``--pool N``, every gold
-plus a seeded sample of the rest), echoes of a context's turns dropped, no restatement guard or prior.
-Per split: hits@1 / hits@10 of each retriever and of the sum, and the sum's wins, losses and one-sided
-paired bootstrap p against each. The JSON's protocol B rows read with ``bench/compare_evals.py``.
+product is the sum of their scores) answer better than either alone? Given one retriever, its rows
+alone (both splits over one encoding of the pool). Protocol B in the retrievers' own order: the first
+``--limit`` pairs of each split over the full pool (or, with ``--pool N``, every gold plus a seeded
+sample of the rest), echoes of a context's turns dropped, no restatement guard or prior. Per split:
+hits@1 / hits@10 of each retriever and of the sum, and the sum's wins, losses and one-sided paired
+bootstrap p against each. The JSON's protocol B rows read with ``bench/compare_evals.py``.
 
     python bench/retriever_sum.py --bi coreply/weights/default-bi runs/lease/core/bi --split valid test \\
         --out docs/retriever-sum-2026-11-26.json         # ~35 min here: each pool encoded once, fp32
@@ -61,7 +62,7 @@ class Sum:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--bi", nargs=2, required=True, metavar="CHECKPOINT", help="the two retrievers")
+    p.add_argument("--bi", nargs="+", required=True, metavar="CHECKPOINT", help="one retriever, or two")
     p.add_argument("--split", nargs="+", default=["valid", "test"], choices=["valid", "test"])
     p.add_argument("--limit", type=int, default=2000, help="first N pairs of each split")
     p.add_argument("--pool", type=int, default=0, help="a sub-pool of N responses (0: the full pool)")
@@ -71,8 +72,8 @@ def main() -> None:
         raise SystemExit("--limit: give at least 1 pair")
     if args.pool < 0:
         raise SystemExit("--pool: give 0 (the full pool) or a number of responses")
-    if args.bi[0] == args.bi[1]:
-        raise SystemExit("--bi: name two different retrievers")
+    if len(args.bi) > 2 or len(set(args.bi)) < len(args.bi):
+        raise SystemExit("--bi: name one retriever, or two different ones")
     if not args.out.parent.is_dir():  # found now, not after half an hour of encoding
         raise SystemExit(f"--out: {args.out.parent} is not a folder; create it or name another")
     splits = load_chitchat()
@@ -84,7 +85,9 @@ def main() -> None:
         models = [PoolCached(load_bi(path), pool) for path in args.bi]
     except (OSError, ValueError) as exc:  # a CheckpointError too
         raise SystemExit(f"--bi: {exc}") from None
-    systems = {args.bi[0]: models[0], args.bi[1]: models[1], "sum": Sum(*models)}
+    systems: dict[str, PoolCached | Sum] = dict(zip(args.bi, models, strict=True))
+    if len(models) == 2:
+        systems["sum"] = Sum(*models)
     rows: list[dict] = []
     result = provenance() | {"bi": args.bi, "pool_size": len(pool), "limit": args.limit, "B": rows}
     for split in args.split:
@@ -98,8 +101,10 @@ def main() -> None:
             m = got["metrics"]
             print(f"{split:5} {name:30} hits@1 {m['hits@1']:5.2f} hits@10 {m['hits@10']:5.2f}"
                   f"  ({time.perf_counter() - start:.0f} s)", flush=True)  # fmt: skip
+        if "sum" not in systems:
+            continue
         total = per_case(ranks["sum"], "hits@1")
-        for name in list(systems)[:2]:
+        for name in args.bi:
             one = per_case(ranks[name], "hits@1")
             versus = {"wins": int((total > one).sum()), "losses": int((total < one).sum())}
             versus["p"] = round(paired_bootstrap(total, one), 4)

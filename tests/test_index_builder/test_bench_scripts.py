@@ -49,6 +49,7 @@ def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):
         ("quantisation.py", ["--bi", str(tiny_core / "bi"), "--limit", "20", "--pool", "5"], "--pool: "),
         ("restatement_guard.py", ["--bundle", str(tiny_bundle), "--against", str(other)], "--against "),
         ("retriever_sum.py", ["--bi", str(tmp_path), str(tiny_core / "bi"), "--out", str(other)], "--bi: "),
+        ("retriever_sum.py", ["--bi", *[str(tiny_core / "bi")] * 2, "--out", str(other)], "--bi: "),
         (
             "retriever_sum.py",
             ["--bi", str(tmp_path), str(tiny_core), "--out", str(tmp_path / "no/x.json")],
@@ -145,3 +146,9 @@ def test_retriever_sum_ranks_by_both_retrievers_scores(tmp_path, tiny_core):
         twice = [result["B"][i]["ranks"] for i in (0, 2, 3, 5)]  # each split: the trained one, the sum
         if other == twin:  # the same scores twice: the sum keeps the retriever's order exactly
             assert twice[0] == twice[1] and twice[2] == twice[3]
+    alone = tmp_path / "alone.json"  # one retriever: its rows alone, the same as beside another
+    bench("retriever_sum.py", "--bi", str(trained), "--split", "valid", "test", "--limit", "10",
+          "--pool", "80", "--out", str(alone))  # fmt: skip
+    rows = json.loads(alone.read_text())["B"]
+    assert [r["system"] for r in rows] == [f"valid: {trained}", f"test: {trained}"]
+    assert "against" not in rows[0] and [r["ranks"] for r in rows] == [twice[0], twice[2]]
