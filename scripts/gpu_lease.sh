@@ -548,6 +548,8 @@ print(json.load(open(sys.argv[1])).get('init_bi') or sys.argv[2])" "$LEASE/$run/
     # outlive this VM goes into git's tree, KEEP (default docs/lease-<today>): the results and every
     # run's adapters. runs/ is gone when the VM is replaced: results.md 25's CORE retriever was lost so.
     local dir=${1#unpack:} keep=${KEEP:-docs/lease-$(date -u +%F)} run name f w
+    [ -f "$dir/lease.sha256" ] ||
+      { echo "gpu_lease.sh: $1: no lease.sha256 there: name the folder a call's files came back to" >&2; exit 2; }
     (cd "$dir" && sha256sum -c --quiet lease.sha256) ||
       { echo "gpu_lease.sh: $1: a part is missing or damaged: bring the call's files back again" >&2; exit 1; }
     rm -rf "$LEASE.new" && mkdir -p "$LEASE.new"
