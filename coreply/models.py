@@ -346,6 +346,20 @@ class CrossEncoder(_Encoder):
     def backbone_config(self) -> dict[str, Any]:
         return self.backbone.config.to_dict()
 
+    def first_layers(self, config: ModelConfig) -> CrossEncoder:
+        """A student started from this model (DistilBERT's initialisation): a copy of its embeddings, its
+        first ``config.num_layers`` transformer layers and its head, reading pairs as ``config`` says
+        (its token budgets). This model is left as it was."""
+        depth, k = len(self.backbone.encoder.layer), config.num_layers
+        if k is None or not 1 <= k <= depth:
+            raise ValueError(f"num_layers (--num-layers) must be 1 to this reranker's {depth}, got {k}")
+        backbone = copy.deepcopy(self.backbone)
+        backbone.encoder.layer = backbone.encoder.layer[:k]
+        backbone.config.num_hidden_layers = k
+        student = CrossEncoder(config, backbone, self.tokenizer.hf)
+        student.head.load_state_dict(self.head.state_dict())
+        return student
+
     def forward(self, pairs: Batch | Sequence[Batch]) -> torch.Tensor:
         """pairs [N, L] -> scores [N]; chunks of pairs (less padding) -> their scores concatenated.
         Chunks go through one call, so a DistributedDataParallel wrapper sees one forward per step."""

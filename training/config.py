@@ -59,7 +59,8 @@ HELP = {
     "the retriever gets wrong instead of relearning what it knows; its new head starts at zero, i.e. as the "
     "retriever. Serve it with sum fusion behind that retriever (the checkpoint names it by hash)",
     "init_cross": "start the reranker from this checkpoint instead of the base model (with --lora-rank: an "
-    "adapter checkpoint of that rank, whose adapters train on)",
+    "adapter checkpoint of that rank, whose adapters train on; with a --num-layers below its depth: a "
+    "student of its first layers and its head, reading pairs at this run's --max-context/response-tokens)",
     "lora_rank": "> 0: train low-rank adapters (+ biases, norms, heads) instead of every weight; checkpoints "
     "then hold only those (a few MB) and name the base model by hash",
     "cross_lora_rank": "the reranker's --lora-rank, when it differs (e.g. 0: every weight of the reranker "

@@ -333,7 +333,8 @@ class Trainer:
         """A model to train: the base model, or ``init``'s weights. With a LoRA rank (``cfg.rank_of(kind)``)
         the adapters train: fresh ones on the base model, or an adapter checkpoint's own (the same rank),
         never new adapters over merged ones (a checkpoint names its base model by hash, and that base
-        would not be it)."""
+        would not be it). A reranker ``init`` deeper than ``--num-layers`` starts a student of its first
+        layers (:meth:`CrossEncoder.first_layers`)."""
         cfg = self.cfg
         rank = cfg.rank_of(kind)
         if not init:
@@ -342,6 +343,15 @@ class Trainer:
                 add_lora(model, rank, cfg.lora_alpha)
         else:
             model = load_checkpoint(init, expect=kind, merge=not rank)
+            layers = cfg.model.num_layers
+            if kind == "cross" and layers is not None and layers != len(model.backbone.encoder.layer):
+                if rank:
+                    raise ValueError(
+                        f"--init-cross {init} --num-layers {layers}: a student cut from a deeper reranker "
+                        "trains every weight (--cross-lora-rank 0)"
+                    )
+                kept = ("num_layers", "max_context_tokens", "max_response_tokens")
+                model = model.first_layers(replace(model.config, **{k: getattr(cfg.model, k) for k in kept}))
             have = lora_settings(model)
             if rank and (have is None or have["rank"] != rank):
                 found = f"rank-{have['rank']} adapters" if have else "plain weights"

@@ -257,6 +257,38 @@ def test_distill_into_a_smaller_cross_encoder(tmp_path, tiny_model_dir, toy_pair
     assert load_checkpoint(tmp_path / "run" / "cross", expect="cross").config.num_layers == 1
 
 
+def test_a_student_starts_from_its_teachers_first_layers_and_head(tmp_path, tiny_model_dir, toy_pairs):
+    """``--init-cross T --num-layers k`` below T's depth: T's embeddings, first k layers and head, reading
+    pairs at the run's token budgets; T's own checkpoint is untouched, and adapters are refused."""
+    indep = config(
+        tmp_path, tiny_model_dir, mode="independent", models="cross", output_dir=str(tmp_path / "t")
+    )
+    Trainer(indep, toy_pairs, toy_pairs[:8], pool_of(toy_pairs)).fit()
+    teacher = load_checkpoint(tmp_path / "t" / "cross", expect="cross")
+    budgets = dict(num_layers=1, max_context_tokens=20, max_response_tokens=8)
+    small = ModelConfig(base_model=str(tiny_model_dir), dropout=0.0, **budgets)
+    cfg = config(
+        tmp_path,
+        tiny_model_dir,
+        mode="distill",
+        models="cross",
+        teacher=str(tmp_path / "t" / "cross"),
+        init_cross=str(tmp_path / "t" / "cross"),
+        model=small,
+    )
+    student = Trainer(cfg, toy_pairs, toy_pairs[:8], pool_of(toy_pairs)).cross
+    assert len(student.backbone.encoder.layer) == 1 and len(teacher.backbone.encoder.layer) == 2
+    assert {k: getattr(student.config, k) for k in budgets} == budgets
+    want = {k: v for k, v in teacher.state_dict().items() if "encoder.layer.1." not in k}
+    got = student.state_dict()
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k].to(got[k].device)) for k in want)
+    with pytest.raises(ValueError, match="--cross-lora-rank 0"):
+        Trainer(replace(cfg, lora_rank=4), toy_pairs, toy_pairs[:8], pool_of(toy_pairs))
+    too_deep = replace(small, num_layers=3)
+    with pytest.raises(ValueError, match=r"--num-layers\) must be 1 to this reranker's 2, got 3"):
+        Trainer(replace(cfg, model=too_deep), toy_pairs, toy_pairs[:8], pool_of(toy_pairs))
+
+
 @pytest.mark.parametrize("lora_rank", [0, 4])
 def test_resume_continues_exactly_where_an_interrupted_run_stopped(
     tmp_path, tiny_model_dir, toy_pairs, monkeypatch, lora_rank
