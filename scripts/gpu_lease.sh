@@ -169,14 +169,16 @@ RUNS=(
   # the same at the size a CPU default can afford (2 layers x 64 tokens: docs/performance.md §5), a
   # third of the 6-layer one's cost a step
   "residual-small|--mode independent --models cross --init-bi coreply/weights/default-bi --cross-residual ${STUDENT[*]} --patience 8"
-  # CORE + 4 retriever-mined negatives: a reranker must learn the retriever's top lists, which random
-  # lists do not teach (docs/results.md 17)
-  "core-hard|--mode core ${RESTATE[*]} --hard-negatives 4"
+  # The rest of the issue's table at core-plain's recipe (random lists): CORE + 4 retriever-mined
+  # negatives (a reranker must learn the retriever's top lists, which random lists do not teach:
+  # docs/results.md 17), the precursor's mutual learning, and cross -> bi distillation from
+  # independent-plain's reranker (QUEUE="core-hard mutual distill" after main)
+  "core-hard|--mode core --hard-negatives 4"
+  "mutual|--mode mutual"
+  "distill|--mode distill --teacher $LEASE/independent-plain/cross"
   # the reranker a CPU default can afford (docs/performance.md §5: 2 layers x 64 tokens), distilled from
-  # CORE's in 2 minutes; evaluated behind CORE's retriever
-  "student|--mode distill --models cross --teacher $LEASE/core/cross ${STUDENT[*]} --max-minutes 2"
-  "mutual|--mode mutual ${RESTATE[*]}"
-  "distill|--mode distill --teacher $LEASE/independent/cross ${RESTATE[*]}"
+  # core-plain's in 2 minutes and started from its first 2 layers and head; evaluated behind its retriever
+  "student|--mode distill --models cross --teacher $LEASE/core-plain/cross --init-cross $LEASE/core-plain/cross ${STUDENT[*]} --max-minutes 2"
   "core-poly|--mode core ${RESTATE[*]} --poly-codes 64"
   "core-own|--mode core ${RESTATE[*]} --own-turn-negatives 2"
   # Dial-MAE (issue #16): post-train the encoder (the paper's English settings, batch 128), then the same
@@ -507,7 +509,7 @@ print(int(os.path.getmtime(sys.argv[1]) + m * 60 + 60) if m else 0)" "$cfg")
         bi="$LEASE/$run/bi"
         # a reranker alone: behind the retriever it was trained with (--init-bi), else CORE's
         [ -d "$bi" ] || bi=$(python3 -c "import json, sys
-print(json.load(open(sys.argv[1])).get('init_bi') or sys.argv[2])" "$LEASE/$run/train_config.json" "$LEASE/core/bi")
+print(json.load(open(sys.argv[1])).get('init_bi') or sys.argv[2])" "$LEASE/$run/train_config.json" "$LEASE/core-plain/bi")
         if [ "$name" = "$run" ]; then
           [ -d "$LEASE/$run/cross" ] && parts+=(--cross "$LEASE/$run/cross")
           [ "$run" = independent ] && parts+=(--retriever bm25 bi)
