@@ -50,6 +50,8 @@ def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):
         ("restatement_guard.py", ["--bundle", str(tiny_bundle), "--against", str(other)], "--against "),
         ("retriever_sum.py", ["--bi", str(tmp_path), str(tiny_core / "bi"), "--out", str(other)], "--bi: "),
         ("retriever_sum.py", ["--bi", *[str(tiny_core / "bi")] * 2, "--out", str(other)], "--bi: "),
+        ("hybrid_bm25.py", ["--bi", str(tmp_path), "--pool", "80", "--out", str(other)], "--bi: "),
+        ("hybrid_bm25.py", ["--weights", "1", "--out", str(other)], "--weights: "),
         (
             "retriever_sum.py",
             ["--bi", str(tmp_path), str(tiny_core), "--out", str(tmp_path / "no/x.json")],
@@ -152,3 +154,22 @@ def test_retriever_sum_ranks_by_both_retrievers_scores(tmp_path, tiny_core):
     rows = json.loads(alone.read_text())["B"]
     assert [r["system"] for r in rows] == [f"valid: {trained}", f"test: {trained}"]
     assert "against" not in rows[0] and [r["ranks"] for r in rows] == [twice[0], twice[2]]
+
+
+def test_hybrid_bm25_reorders_the_retrievers_first_candidates(tmp_path, tiny_core):
+    out = tmp_path / "hybrid.json"
+    bench("hybrid_bm25.py", "--bi", str(tiny_core / "bi"), "--split", "valid", "test", "--limit", "10",
+          "--pool", "80", "--depth", "10", "--weights", "0.5", "0", "--out", str(out))  # fmt: skip
+    result = json.loads(out.read_text())
+    rows = {r["system"]: r for r in result["B"]}
+    names = ("dense", "dense + BM25, w=0.5", "dense + BM25, w=0.0")
+    assert list(rows) == [f"{split}: {name}" for split in ("valid", "test") for name in names]
+    assert result["chosen_weight"]["on"] == "valid" and result["chosen_weight"]["weight"] in (0.5, 0.0)
+    for split in ("valid", "test"):
+        dense = rows[f"{split}: dense"]
+        for w in ("0.5", "0.0"):
+            fused = rows[f"{split}: dense + BM25, w={w}"]
+            assert fused["metrics"]["hits@10"] == dense["metrics"]["hits@10"]  # a reordering of the same 10
+            assert set(fused["against_dense"]) == {"wins", "losses", "p"}
+    bm25_alone = [rows[f"{split}: dense + BM25, w=0.0"]["ranks"] for split in ("valid", "test")]
+    assert bm25_alone != [rows[f"{split}: dense"]["ranks"] for split in ("valid", "test")]  # BM25 reorders
