@@ -1,15 +1,20 @@
 """Dense retrieval reordered by BM25: does the lexical match of a candidate with the context add to the
-retriever's own order? Protocol B over the full pool (or, with ``--pool N``, every gold and a seeded
-sample of the rest), echoes of a context's turns dropped, no restatement guard or prior: the retriever's
-first ``--depth`` candidates per context, each also scored by BM25 against the context's turns
-(``evaluation.protocols.BM25Retriever``'s index and tokenisation), fused as the service fuses a
-reranker's scores (``zscore``: weight * z(dense) + (1 - weight) * z(BM25) per context). Every
-``--weights`` value on each split; the weight is chosen on the first split named (validation), and each
-split reports every weight against dense alone: hits@1 / hits@10, wins, losses and a one-sided paired
-bootstrap p. The JSON's protocol B rows read with ``bench/compare_evals.py``.
+retriever's own order? Protocol B: the retriever's first ``--depth`` candidates per context, each also
+scored by BM25 against the context's turns (``evaluation.protocols.BM25Retriever``'s index and
+tokenisation), fused as the service fuses a reranker's scores (``zscore``: weight * z(dense) +
+(1 - weight) * z(BM25) per context). The dense stage is either a retriever (``--bi``: raw, over the full
+pool or, with ``--pool N``, every gold and a seeded sample of the rest; echoes of a context's turns
+dropped, no restatement guard or prior) or a bundle as it serves (``--bundle``: its own pool, index,
+ONNX graphs, echo filter, restatement guard and response prior). Every ``--weights`` value on each split,
+against dense alone: hits@1 / hits@10, wins, losses, a one-sided paired bootstrap p, and how often the
+top answer restates the last turn (``restatement_guard.py``'s two judges; people's own rate beside). The
+weight is chosen on the first split named (validation). The JSON's protocol B rows read with
+``bench/compare_evals.py``.
 
     python bench/hybrid_bm25.py --bi coreply/weights/default-bi --split valid test \\
         --out docs/hybrid-bm25-2026-11-26.json                  # ~15 min here: the pool encoded once, fp32
+    python bench/hybrid_bm25.py --bundle artifacts/default-bundle --split valid test \\
+        --out docs/hybrid-bm25-served-2026-11-26.json
 """
 
 from __future__ import annotations
@@ -19,23 +24,84 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
+from restatement_guard import words_rate
 
 from bench import provenance  # bench/bench.py: this script's directory is on sys.path
 from coreply.artifacts import write_json_atomic
 from coreply.checkpoint import load_bi
+from coreply.config import ZERO_SHOT
 from coreply.corpus import load_chitchat, normalize, responses_of
 from coreply.ranking import Pipeline
+from coreply.responder import Responder
 from evaluation.metrics import paired_bootstrap, per_case, summarize
-from evaluation.protocols import BM25Retriever, DenseRetriever, pool_for_eval, ranks_for, retrieve_and_rerank
+from evaluation.protocols import (
+    BM25Retriever,
+    DenseRetriever,
+    pool_for_eval,
+    ranked_ids,
+    ranks_for,
+    retrieve_and_rerank,
+)
+from evaluation.restatement import RestatementJudge
+
+
+def dense_stage(args: argparse.Namespace, splits: dict) -> Pipeline:
+    """The first stage: a bundle's pipeline as it serves, or a retriever's raw exact search."""
+    try:
+        if args.bundle:
+            return Responder.load(args.bundle).pipeline
+        bi = load_bi(args.bi)
+    except (OSError, ValueError) as exc:  # a CheckpointError or BundleError too
+        raise SystemExit(f"--{'bundle' if args.bundle else 'bi'}: {exc}") from None
+    golds = [pair for s in args.split for pair in splits[s][: args.limit]]
+    pool = pool_for_eval(responses_of(splits), golds, args.pool or None, 0)
+    if args.pool and len(pool) > args.pool:
+        raise SystemExit(f"--pool: the golds alone are {len(pool)} responses; give at least that many")
+    return Pipeline(DenseRetriever(bi, pool), pool, [normalize(t) for t in pool])  # the pool encoded once
+
+
+def measure(split: str, pairs: list, dense: Pipeline, bm25: BM25Retriever, judge: RestatementJudge,
+            args: argparse.Namespace) -> list[dict]:  # fmt: skip
+    """One split's rows: dense alone, then dense + BM25 at each weight against it."""
+    contexts = [p.context for p in pairs]
+    got = retrieve_and_rerank(pairs, dense, args.depth, 0)
+    terms = bm25.tokens([" ".join(c) for c in contexts])
+    lexical = [bm25.scores(q)[c.ids[: args.depth]] for c, q in zip(got.candidates, terms, strict=True)]
+    got = replace(
+        got, candidates=[replace(c, rerank=x) for c, x in zip(got.candidates, lexical, strict=True)]
+    )
+    rows = []
+    for weight in (None, *args.weights):
+        fusion, w = ("retrieval", 0.0) if weight is None else ("zscore", weight)
+        ranks = ranks_for(pairs, dense.keys, got, fusion, args.depth, w)
+        top = [dense.texts[ids[0]] if len(ids) else None for ids in ranked_ids(got, fusion, args.depth, w)]
+        name = "dense" if weight is None else f"dense + BM25, w={weight}"
+        restates = {"judge": round(judge.rate(contexts, top), 2), "words": words_rate(contexts, top)}
+        row = {"system": f"{split}: {name}", "split": split, "metrics": summarize(ranks), "ranks": ranks,
+               "restates": restates}  # fmt: skip
+        if weight is not None:
+            mine, theirs = per_case(ranks, "hits@1"), per_case(rows[0]["ranks"], "hits@1")
+            versus = {"wins": int((mine > theirs).sum()), "losses": int((mine < theirs).sum()),
+                      "p": round(paired_bootstrap(mine, theirs), 4)}  # fmt: skip
+            row |= {"weight": weight, "against_dense": versus}
+        m = row["metrics"]
+        line = f"{split:5} {name:22} hits@1 {m['hits@1']:5.2f} hits@10 {m['hits@10']:5.2f}"
+        print(line, row["restates"], row.get("against_dense", ""), flush=True)
+        rows.append(row)
+    gold = [p.response for p in pairs]
+    people = {"judge": round(judge.rate(contexts, gold), 2), "words": words_rate(contexts, gold)}
+    rows[0]["people_restate"] = people
+    return rows
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--bi", default="coreply/weights/default-bi", help="the retriever's checkpoint")
+    first = p.add_mutually_exclusive_group()
+    first.add_argument("--bi", default="coreply/weights/default-bi", help="a retriever's checkpoint (raw)")
+    first.add_argument("--bundle", help="a bundle, as it serves (instead of --bi)")
     p.add_argument("--split", nargs="+", default=["valid", "test"], choices=["valid", "test"])
     p.add_argument("--limit", type=int, default=2000, help="first N pairs of each split")
-    p.add_argument("--pool", type=int, default=0, help="a sub-pool of N responses (0: the full pool)")
+    p.add_argument("--pool", type=int, default=0, help="with --bi: a sub-pool of N responses (0: all)")
     p.add_argument("--depth", type=int, default=100, help="dense candidates BM25 reorders")
     p.add_argument("--weights", type=float, nargs="+", default=[0.9, 0.8, 0.7, 0.6, 0.5])
     p.add_argument("--out", type=Path, required=True, help="JSON file to write")
@@ -47,54 +113,22 @@ def main() -> None:
         raise SystemExit("--weights: each in [0, 1) (1 is dense alone, always measured)")
     if not args.out.parent.is_dir():  # found now, not after the pool's encoding
         raise SystemExit(f"--out: {args.out.parent} is not a folder; create it or name another")
-    try:
-        bi = load_bi(args.bi)
-    except (OSError, ValueError) as exc:  # a CheckpointError too
-        raise SystemExit(f"--bi: {exc}") from None
     splits = load_chitchat()
-    golds = [pair for s in args.split for pair in splits[s][: args.limit]]
-    pool = pool_for_eval(responses_of(splits), golds, args.pool or None, 0)
-    if args.pool and len(pool) > args.pool:
-        raise SystemExit(f"--pool: the golds alone are {len(pool)} responses; give at least that many")
-    keys = [normalize(t) for t in pool]
     start = time.perf_counter()
-    dense = Pipeline(DenseRetriever(bi, pool), pool, keys)  # the pool encoded once for every split
-    bm25 = BM25Retriever(pool)
-    print(f"pool of {len(pool)} encoded and indexed in {time.perf_counter() - start:.0f} s", flush=True)
+    dense = dense_stage(args, splits)
+    bm25 = BM25Retriever(dense.texts)
+    judge = RestatementJudge(load_bi(ZERO_SHOT))
+    print(f"pool of {len(dense.texts)} ready in {time.perf_counter() - start:.0f} s", flush=True)
     rows: list[dict] = []
-    result = provenance() | {"bi": args.bi, "pool_size": len(pool), "depth": args.depth, "B": rows}
     for split in args.split:
-        pairs = splits[split][: args.limit]
-        got = retrieve_and_rerank(pairs, dense, args.depth, 0)
-        queries = bm25.tokens([" ".join(p.context) for p in pairs])
-        got = replace(
-            got,
-            candidates=[
-                replace(c, rerank=bm25.scores(q)[c.ids[: args.depth]].astype(np.float64))
-                for c, q in zip(got.candidates, queries, strict=True)
-            ],
-        )
-        alone = ranks_for(pairs, keys, got, "retrieval", args.depth)
-        m = summarize(alone)
-        rows.append({"system": f"{split}: dense", "split": split, "metrics": m, "ranks": alone})
-        print(f"{split:5} dense alone hits@1 {m['hits@1']:5.2f} hits@10 {m['hits@10']:5.2f}", flush=True)
-        base = per_case(alone, "hits@1")
-        fused = {}
-        for w in args.weights:
-            ranks = ranks_for(pairs, keys, got, "zscore", args.depth, w)
-            mine = per_case(ranks, "hits@1")
-            versus = {"wins": int((mine > base).sum()), "losses": int((mine < base).sum())}
-            versus["p"] = round(paired_bootstrap(mine, base), 4)
-            m = fused[w] = summarize(ranks)
-            rows.append({"system": f"{split}: dense + BM25, w={w}", "split": split, "weight": w,
-                         "metrics": m, "ranks": ranks, "against_dense": versus})  # fmt: skip
-            line = f"{split:5} w={w:.2f} hits@1 {m['hits@1']:5.2f} hits@10 {m['hits@10']:5.2f}"
-            print(line, versus, flush=True)
-        if "chosen_weight" not in result:  # the first split's best (ties: the weight named first)
-            chosen = max(args.weights, key=lambda w: fused[w]["hits@1"])
-            result["chosen_weight"] = {"weight": chosen, "on": split}
+        rows += measure(split, splits[split][: args.limit], dense, bm25, judge, args)
+    weighted = [r for r in rows if r["split"] == args.split[0] and "weight" in r]
+    chosen = max(weighted, key=lambda r: r["metrics"]["hits@1"])["weight"]  # ties: the weight named first
+    result = provenance() | {"first_stage": args.bundle or args.bi, "served": bool(args.bundle),
+                             "pool_size": len(dense.texts), "depth": args.depth,
+                             "chosen_weight": {"weight": chosen, "on": args.split[0]}, "B": rows}  # fmt: skip
     write_json_atomic(args.out, result)
-    print(f"wrote {args.out} (weight chosen on {args.split[0]}: {result['chosen_weight']['weight']})")
+    print(f"wrote {args.out} (weight chosen on {args.split[0]}: {chosen})")
 
 
 if __name__ == "__main__":

@@ -156,7 +156,7 @@ def test_retriever_sum_ranks_by_both_retrievers_scores(tmp_path, tiny_core):
     assert "against" not in rows[0] and [r["ranks"] for r in rows] == [twice[0], twice[2]]
 
 
-def test_hybrid_bm25_reorders_the_retrievers_first_candidates(tmp_path, tiny_core):
+def test_hybrid_bm25_reorders_the_retrievers_first_candidates(tmp_path, tiny_core, tiny_bundle):
     out = tmp_path / "hybrid.json"
     bench("hybrid_bm25.py", "--bi", str(tiny_core / "bi"), "--split", "valid", "test", "--limit", "10",
           "--pool", "80", "--depth", "10", "--weights", "0.5", "0", "--out", str(out))  # fmt: skip
@@ -173,3 +173,11 @@ def test_hybrid_bm25_reorders_the_retrievers_first_candidates(tmp_path, tiny_cor
             assert set(fused["against_dense"]) == {"wins", "losses", "p"}
     bm25_alone = [rows[f"{split}: dense + BM25, w=0.0"]["ranks"] for split in ("valid", "test")]
     assert bm25_alone != [rows[f"{split}: dense"]["ranks"] for split in ("valid", "test")]  # BM25 reorders
+    assert all(set(r["restates"]) == {"judge", "words"} for r in rows.values())
+    assert set(rows["valid: dense"]["people_restate"]) == {"judge", "words"}
+    served = tmp_path / "served.json"  # the same through a bundle's own pipeline and pool
+    bench("hybrid_bm25.py", "--bundle", str(tiny_bundle), "--split", "test", "--limit", "10", "--depth", "5",
+          "--weights", "0.5", "--out", str(served))  # fmt: skip
+    result = json.loads(served.read_text())
+    assert result["served"]
+    assert [r["system"] for r in result["B"]] == ["test: dense", "test: dense + BM25, w=0.5"]
