@@ -5,11 +5,12 @@ tokenisation), fused as the service fuses a reranker's scores (``zscore``: weigh
 (1 - weight) * z(BM25) per context). The dense stage is either a retriever (``--bi``: raw, over the full
 pool or, with ``--pool N``, every gold and a seeded sample of the rest; echoes of a context's turns
 dropped, no restatement guard or prior) or a bundle as it serves (``--bundle``: its own pool, index,
-ONNX graphs, echo filter, restatement guard and response prior). Every ``--weights`` value on each split,
-against dense alone: hits@1 / hits@10, wins, losses, a one-sided paired bootstrap p, and how often the
-top answer restates the last turn (``restatement_guard.py``'s two judges; people's own rate beside). The
-weight is chosen on the first split named (validation). The JSON's protocol B rows read with
-``bench/compare_evals.py``.
+ONNX graphs, echo filter, restatement guard and response prior; ``--guard-quantile Q`` re-calibrates
+the guard at Q on the validation split, as ``coreply index build --restatement-quantile`` would).
+Every ``--weights`` value on each split, against dense alone: hits@1 / hits@10, wins, losses, a
+one-sided paired bootstrap p, and how often the top answer restates the last turn
+(``restatement_guard.py``'s two judges; people's own rate beside). The weight is chosen on the first
+split named (validation). The JSON's protocol B rows read with ``bench/compare_evals.py``.
 
     python bench/hybrid_bm25.py --bi coreply/weights/default-bi --split valid test \\
         --out docs/hybrid-bm25-2026-11-26.json                  # ~15 min here: the pool encoded once, fp32
@@ -27,6 +28,7 @@ from pathlib import Path
 from restatement_guard import words_rate
 
 from bench import provenance  # bench/bench.py: this script's directory is on sys.path
+from coreply import restatement
 from coreply.artifacts import write_json_atomic
 from coreply.checkpoint import load_bi
 from coreply.config import ZERO_SHOT
@@ -49,10 +51,20 @@ def dense_stage(args: argparse.Namespace, splits: dict) -> Pipeline:
     """The first stage: a bundle's pipeline as it serves, or a retriever's raw exact search."""
     try:
         if args.bundle:
-            return Responder.load(args.bundle).pipeline
-        bi = load_bi(args.bi)
+            bot = Responder.load(args.bundle)
+        else:
+            bi = load_bi(args.bi)
     except (OSError, ValueError) as exc:  # a CheckpointError or BundleError too
         raise SystemExit(f"--{'bundle' if args.bundle else 'bi'}: {exc}") from None
+    if args.bundle:
+        if args.guard_quantile is not None:  # calibrated as the builder does, on the validation split
+            if bot.pipeline.guard is None:
+                raise SystemExit(f"--guard-quantile: {args.bundle} has no restatement guard (rebuild it)")
+            last, earlier = restatement.human_closeness(bot.backend.encode_responses, splits["valid"])
+            entry = restatement.guard_entry(last, earlier, args.guard_quantile)
+            bot.pipeline.guard = restatement.Guard.of(entry)
+            print("guard", entry, flush=True)
+        return bot.pipeline
     golds = [pair for s in args.split for pair in splits[s][: args.limit]]
     pool = pool_for_eval(responses_of(splits), golds, args.pool or None, 0)
     if args.pool and len(pool) > args.pool:
@@ -103,12 +115,15 @@ def main() -> None:
     p.add_argument("--limit", type=int, default=2000, help="first N pairs of each split")
     p.add_argument("--pool", type=int, default=0, help="with --bi: a sub-pool of N responses (0: all)")
     p.add_argument("--depth", type=int, default=100, help="dense candidates BM25 reorders")
+    p.add_argument("--guard-quantile", type=float, help="with --bundle: its restatement guard re-calibrated")
     p.add_argument("--weights", type=float, nargs="+", default=[0.9, 0.8, 0.7, 0.6, 0.5])
     p.add_argument("--out", type=Path, required=True, help="JSON file to write")
     args = p.parse_args()
     for flag, least in (("limit", 1), ("depth", 2), ("pool", 0)):
         if (value := getattr(args, flag)) < least:
             raise SystemExit(f"--{flag}: give at least {least}, got {value}")
+    if args.guard_quantile is not None and not (args.bundle and 0.5 <= args.guard_quantile < 1):
+        raise SystemExit("--guard-quantile: give one in [0.5, 1), with --bundle")
     if not all(0 <= w < 1 for w in args.weights):
         raise SystemExit("--weights: each in [0, 1) (1 is dense alone, always measured)")
     if not args.out.parent.is_dir():  # found now, not after the pool's encoding
@@ -125,6 +140,7 @@ def main() -> None:
     weighted = [r for r in rows if r["split"] == args.split[0] and "weight" in r]
     chosen = max(weighted, key=lambda r: r["metrics"]["hits@1"])["weight"]  # ties: the weight named first
     result = provenance() | {"first_stage": args.bundle or args.bi, "served": bool(args.bundle),
+                             "guard_quantile": args.guard_quantile,
                              "pool_size": len(dense.texts), "depth": args.depth,
                              "chosen_weight": {"weight": chosen, "on": args.split[0]}, "B": rows}  # fmt: skip
     write_json_atomic(args.out, result)

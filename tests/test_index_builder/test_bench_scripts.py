@@ -52,6 +52,7 @@ def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):
         ("retriever_sum.py", ["--bi", *[str(tiny_core / "bi")] * 2, "--out", str(other)], "--bi: "),
         ("hybrid_bm25.py", ["--bi", str(tmp_path), "--pool", "80", "--out", str(other)], "--bi: "),
         ("hybrid_bm25.py", ["--weights", "1", "--out", str(other)], "--weights: "),
+        ("hybrid_bm25.py", ["--guard-quantile", "0.99", "--out", str(other)], "--guard-quantile: "),
         (
             "retriever_sum.py",
             ["--bi", str(tmp_path), str(tiny_core), "--out", str(tmp_path / "no/x.json")],
@@ -156,7 +157,7 @@ def test_retriever_sum_ranks_by_both_retrievers_scores(tmp_path, tiny_core):
     assert "against" not in rows[0] and [r["ranks"] for r in rows] == [twice[0], twice[2]]
 
 
-def test_hybrid_bm25_reorders_the_retrievers_first_candidates(tmp_path, tiny_core, tiny_bundle):
+def test_hybrid_bm25_reorders_the_retrievers_first_candidates(tmp_path, tiny_core, guarded_bundle):
     out = tmp_path / "hybrid.json"
     bench("hybrid_bm25.py", "--bi", str(tiny_core / "bi"), "--split", "valid", "test", "--limit", "10",
           "--pool", "80", "--depth", "10", "--weights", "0.5", "0", "--out", str(out))  # fmt: skip
@@ -176,8 +177,8 @@ def test_hybrid_bm25_reorders_the_retrievers_first_candidates(tmp_path, tiny_cor
     assert all(set(r["restates"]) == {"judge", "words"} for r in rows.values())
     assert set(rows["valid: dense"]["people_restate"]) == {"judge", "words"}
     served = tmp_path / "served.json"  # the same through a bundle's own pipeline and pool
-    bench("hybrid_bm25.py", "--bundle", str(tiny_bundle), "--split", "test", "--limit", "10", "--depth", "5",
-          "--weights", "0.5", "--out", str(served))  # fmt: skip
+    bench("hybrid_bm25.py", "--bundle", str(guarded_bundle), "--split", "test", "--limit", "10",
+          "--depth", "5", "--weights", "0.5", "--guard-quantile", "0.99", "--out", str(served))  # fmt: skip
     result = json.loads(served.read_text())
-    assert result["served"]
+    assert result["served"] and result["guard_quantile"] == 0.99
     assert [r["system"] for r in result["B"]] == ["test: dense", "test: dense + BM25, w=0.5"]
