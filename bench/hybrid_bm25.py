@@ -7,10 +7,10 @@ pool or, with ``--pool N``, every gold and a seeded sample of the rest; echoes o
 dropped, no restatement guard or prior) or a bundle as it serves (``--bundle``: its own pool, index,
 ONNX graphs, echo filter, restatement guard and response prior; ``--guard-quantile Q`` re-calibrates
 the guard at Q on the validation split, as ``coreply index build --restatement-quantile`` would).
-Every ``--weights`` value on each split, against dense alone: hits@1 / hits@10, wins, losses, a
-one-sided paired bootstrap p, and how often the top answer restates the last turn
-(``restatement_guard.py``'s two judges; people's own rate beside). The weight is chosen on the first
-split named (validation). The JSON's protocol B rows read with ``bench/compare_evals.py``.
+Every ``--weights`` value on each split (``--start`` and ``--limit`` say which pairs), against dense
+alone: hits@1 / hits@10, wins, losses, a one-sided paired bootstrap p, and how often the top answer
+restates the last turn (``restatement_guard.py``'s two judges; people's own rate beside). The weight is
+chosen on the first split named (validation). The JSON's protocol B rows read with ``bench/compare_evals.py``.
 
     python bench/hybrid_bm25.py --bi coreply/weights/default-bi --split valid test \\
         --out docs/hybrid-bm25-2026-11-26.json                  # ~15 min here: the pool encoded once, fp32
@@ -65,7 +65,7 @@ def dense_stage(args: argparse.Namespace, splits: dict) -> Pipeline:
             bot.pipeline.guard = restatement.Guard.of(entry)
             print("guard", entry, flush=True)
         return bot.pipeline
-    golds = [pair for s in args.split for pair in splits[s][: args.limit]]
+    golds = [pair for s in args.split for pair in splits[s][args.start : args.start + args.limit]]
     pool = pool_for_eval(responses_of(splits), golds, args.pool or None, 0)
     if args.pool and len(pool) > args.pool:
         raise SystemExit(f"--pool: the golds alone are {len(pool)} responses; give at least that many")
@@ -112,14 +112,15 @@ def main() -> None:
     first.add_argument("--bi", default="coreply/weights/default-bi", help="a retriever's checkpoint (raw)")
     first.add_argument("--bundle", help="a bundle, as it serves (instead of --bi)")
     p.add_argument("--split", nargs="+", default=["valid", "test"], choices=["valid", "test"])
-    p.add_argument("--limit", type=int, default=2000, help="first N pairs of each split")
+    p.add_argument("--limit", type=int, default=2000, help="N pairs of each split, from --start")
+    p.add_argument("--start", type=int, default=0, help="skip the first pairs of each split")
     p.add_argument("--pool", type=int, default=0, help="with --bi: a sub-pool of N responses (0: all)")
     p.add_argument("--depth", type=int, default=100, help="dense candidates BM25 reorders")
     p.add_argument("--guard-quantile", type=float, help="with --bundle: its restatement guard re-calibrated")
     p.add_argument("--weights", type=float, nargs="+", default=[0.9, 0.8, 0.7, 0.6, 0.5])
     p.add_argument("--out", type=Path, required=True, help="JSON file to write")
     args = p.parse_args()
-    for flag, least in (("limit", 1), ("depth", 2), ("pool", 0)):
+    for flag, least in (("limit", 1), ("start", 0), ("depth", 2), ("pool", 0)):
         if (value := getattr(args, flag)) < least:
             raise SystemExit(f"--{flag}: give at least {least}, got {value}")
     if args.guard_quantile is not None and not (args.bundle and 0.5 <= args.guard_quantile < 1):
@@ -136,12 +137,13 @@ def main() -> None:
     print(f"pool of {len(dense.texts)} ready in {time.perf_counter() - start:.0f} s", flush=True)
     rows: list[dict] = []
     for split in args.split:
-        rows += measure(split, splits[split][: args.limit], dense, bm25, judge, args)
+        rows += measure(split, splits[split][args.start : args.start + args.limit], dense, bm25, judge, args)
     weighted = [r for r in rows if r["split"] == args.split[0] and "weight" in r]
     chosen = max(weighted, key=lambda r: r["metrics"]["hits@1"])["weight"]  # ties: the weight named first
     result = provenance() | {"first_stage": args.bundle or args.bi, "served": bool(args.bundle),
                              "guard_quantile": args.guard_quantile,
                              "pool_size": len(dense.texts), "depth": args.depth,
+                             "pairs": f"[{args.start}:{args.start + args.limit}]",
                              "chosen_weight": {"weight": chosen, "on": args.split[0]}, "B": rows}  # fmt: skip
     write_json_atomic(args.out, result)
     print(f"wrote {args.out} (weight chosen on {args.split[0]}: {chosen})")
