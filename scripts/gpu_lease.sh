@@ -507,7 +507,7 @@ print(int(os.path.getmtime(sys.argv[1]) + m * 60 + 60) if m else 0)" "$cfg")
       if [ "$name" != zero-shot ]; then
         [ -f "$LEASE/$run/summary.json" ] || continue
         bi="$LEASE/$run/bi"
-        # a reranker alone: behind the retriever it was trained with (--init-bi), else CORE's
+        # a reranker alone: behind the retriever it was trained with (--init-bi), else core-plain's
         [ -d "$bi" ] || bi=$(python3 -c "import json, sys
 print(json.load(open(sys.argv[1])).get('init_bi') or sys.argv[2])" "$LEASE/$run/train_config.json" "$LEASE/core-plain/bi")
         if [ "$name" = "$run" ]; then
