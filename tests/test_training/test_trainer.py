@@ -220,22 +220,21 @@ def test_a_residual_reranker_learns_the_frozen_retrievers_mistakes(
     assert meta["extra"]["valid"]["sum_pool"]["hits@1"] == summary["best_valid_hits@1"]["cross"]
 
 
-def test_distill_into_a_smaller_cross_encoder(tmp_path, tiny_model_dir, toy_pairs):
-    """``--models cross``: a 1-layer reranker learns CE + gamma_G * KL(teacher || student); the teacher
-    (the 2-layer reranker trained alone) stays frozen."""
+def trained_reranker(tmp_path, tiny_model_dir, toy_pairs) -> str:
+    """A 2-layer reranker trained alone for a few steps (a teacher): its checkpoint's path."""
     indep = config(
         tmp_path, tiny_model_dir, mode="independent", models="cross", output_dir=str(tmp_path / "t")
     )
     Trainer(indep, toy_pairs, toy_pairs[:8], pool_of(toy_pairs)).fit()
+    return str(tmp_path / "t" / "cross")
+
+
+def test_distill_into_a_smaller_cross_encoder(tmp_path, tiny_model_dir, toy_pairs):
+    """``--models cross``: a 1-layer reranker learns CE + gamma_G * KL(teacher || student); the teacher
+    (the 2-layer reranker trained alone) stays frozen."""
+    teacher = trained_reranker(tmp_path, tiny_model_dir, toy_pairs)
     small = ModelConfig(base_model=str(tiny_model_dir), dropout=0.0, num_layers=1)
-    cfg = config(
-        tmp_path,
-        tiny_model_dir,
-        mode="distill",
-        models="cross",
-        teacher=str(tmp_path / "t" / "cross"),
-        model=small,
-    )
+    cfg = config(tmp_path, tiny_model_dir, mode="distill", models="cross", teacher=teacher, model=small)
     trainer = Trainer(cfg, toy_pairs, toy_pairs[:8], pool_of(toy_pairs))
     assert trainer.bi is None and len(trainer.cross.backbone.encoder.layer) == 1
     assert len(trainer.teacher.backbone.encoder.layer) == 2
@@ -260,21 +259,12 @@ def test_distill_into_a_smaller_cross_encoder(tmp_path, tiny_model_dir, toy_pair
 def test_a_student_starts_from_its_teachers_first_layers_and_head(tmp_path, tiny_model_dir, toy_pairs):
     """``--init-cross T --num-layers k`` below T's depth: T's embeddings, first k layers and head, reading
     pairs at the run's token budgets; T's own checkpoint is untouched, and adapters are refused."""
-    indep = config(
-        tmp_path, tiny_model_dir, mode="independent", models="cross", output_dir=str(tmp_path / "t")
-    )
-    Trainer(indep, toy_pairs, toy_pairs[:8], pool_of(toy_pairs)).fit()
-    teacher = load_checkpoint(tmp_path / "t" / "cross", expect="cross")
+    path = trained_reranker(tmp_path, tiny_model_dir, toy_pairs)
+    teacher = load_checkpoint(path, expect="cross")
     budgets = dict(num_layers=1, max_context_tokens=20, max_response_tokens=8)
     small = ModelConfig(base_model=str(tiny_model_dir), dropout=0.0, **budgets)
     cfg = config(
-        tmp_path,
-        tiny_model_dir,
-        mode="distill",
-        models="cross",
-        teacher=str(tmp_path / "t" / "cross"),
-        init_cross=str(tmp_path / "t" / "cross"),
-        model=small,
+        tmp_path, tiny_model_dir, mode="distill", models="cross", teacher=path, init_cross=path, model=small
     )
     student = Trainer(cfg, toy_pairs, toy_pairs[:8], pool_of(toy_pairs)).cross
     assert len(student.backbone.encoder.layer) == 1 and len(teacher.backbone.encoder.layer) == 2
