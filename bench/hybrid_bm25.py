@@ -60,8 +60,7 @@ def dense_stage(args: argparse.Namespace, splits: dict) -> Pipeline:
         if args.guard_quantile is not None:  # calibrated as the builder does, on the validation split
             if bot.pipeline.guard is None:
                 raise SystemExit(f"--guard-quantile: {args.bundle} has no restatement guard (rebuild it)")
-            last, earlier = restatement.human_closeness(bot.backend.encode_responses, splits["valid"])
-            entry = restatement.guard_entry(last, earlier, args.guard_quantile)
+            entry = restatement.calibrate(bot.backend.encode_responses, splits["valid"], args.guard_quantile)
             bot.pipeline.guard = restatement.Guard.of(entry)
             print("guard", entry, flush=True)
         return bot.pipeline
@@ -123,6 +122,8 @@ def main() -> None:
     for flag, least in (("limit", 1), ("start", 0), ("depth", 2), ("pool", 0)):
         if (value := getattr(args, flag)) < least:
             raise SystemExit(f"--{flag}: give at least {least}, got {value}")
+    if args.pool and args.bundle:
+        raise SystemExit("--pool: a bundle searches its own pool; give --pool with --bi only")
     if args.guard_quantile is not None and not (args.bundle and 0.5 <= args.guard_quantile < 1):
         raise SystemExit("--guard-quantile: give one in [0.5, 1), with --bundle")
     if not all(0 <= w < 1 for w in args.weights):

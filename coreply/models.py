@@ -352,7 +352,7 @@ class CrossEncoder(_Encoder):
         (its token budgets). This model is left as it was."""
         depth, k = len(self.backbone.encoder.layer), config.num_layers
         if k is None or not 1 <= k <= depth:
-            raise ValueError(f"num_layers (--num-layers) must be 1 to this reranker's {depth}, got {k}")
+            raise ValueError(f"num_layers must be 1 to this reranker's {depth}, got {k}")
         backbone = copy.deepcopy(self.backbone)
         backbone.encoder.layer = backbone.encoder.layer[:k]
         backbone.config.num_hidden_layers = k

@@ -343,8 +343,10 @@ class Trainer:
                 add_lora(model, rank, cfg.lora_alpha)
         else:
             model = load_checkpoint(init, expect=kind, merge=not rank)
-            layers = cfg.model.num_layers
-            if kind == "cross" and layers is not None and layers != len(model.backbone.encoder.layer):
+            layers, depth = cfg.model.num_layers, len(model.backbone.encoder.layer)
+            if kind == "cross" and layers is not None and layers != depth:
+                if layers > depth:
+                    raise ValueError(f"--num-layers {layers}: --init-cross {init} has only {depth} layers")
                 if rank:
                     raise ValueError(
                         f"--init-cross {init} --num-layers {layers}: a student cut from a deeper reranker "

@@ -53,6 +53,7 @@ def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):
         ("hybrid_bm25.py", ["--bi", str(tmp_path), "--pool", "80", "--out", str(other)], "--bi: "),
         ("hybrid_bm25.py", ["--weights", "1", "--out", str(other)], "--weights: "),
         ("hybrid_bm25.py", ["--guard-quantile", "0.99", "--out", str(other)], "--guard-quantile: "),
+        ("hybrid_bm25.py", ["--bundle", str(tiny_bundle), "--pool", "80", "--out", str(other)], "--pool: "),
         (
             "retriever_sum.py",
             ["--bi", str(tmp_path), str(tiny_core), "--out", str(tmp_path / "no/x.json")],

@@ -275,7 +275,7 @@ def test_a_student_starts_from_its_teachers_first_layers_and_head(tmp_path, tiny
     with pytest.raises(ValueError, match="--cross-lora-rank 0"):
         Trainer(replace(cfg, lora_rank=4), toy_pairs, toy_pairs[:8], pool_of(toy_pairs))
     too_deep = replace(small, num_layers=3)
-    with pytest.raises(ValueError, match=r"--num-layers\) must be 1 to this reranker's 2, got 3"):
+    with pytest.raises(ValueError, match=r"--num-layers 3: --init-cross .* has only 2 layers"):
         Trainer(replace(cfg, model=too_deep), toy_pairs, toy_pairs[:8], pool_of(toy_pairs))
 
 
