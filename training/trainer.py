@@ -343,8 +343,8 @@ class Trainer:
                 add_lora(model, rank, cfg.lora_alpha)
         else:
             model = load_checkpoint(init, expect=kind, merge=not rank)
-            layers, depth = cfg.model.num_layers, len(model.backbone.encoder.layer)
-            if kind == "cross" and layers is not None and layers != depth:
+            layers = cfg.model.num_layers if kind == "cross" else None
+            if layers is not None and layers != (depth := len(model.backbone.encoder.layer)):
                 if layers > depth:
                     raise ValueError(f"--num-layers {layers}: --init-cross {init} has only {depth} layers")
                 if rank:
