@@ -5,8 +5,9 @@ tokenisation), fused as the service fuses a reranker's scores (``zscore``: weigh
 (1 - weight) * z(BM25) per context). The dense stage is either a retriever (``--bi``: raw, over the full
 pool or, with ``--pool N``, every gold and a seeded sample of the rest; echoes of a context's turns
 dropped, no restatement guard or prior) or a bundle as it serves (``--bundle``: its own pool, index,
-ONNX graphs, echo filter, restatement guard and response prior; ``--guard-quantile Q`` re-calibrates
-the guard at Q on the validation split, as ``coreply index build --restatement-quantile`` would).
+ONNX graphs, echo filter, restatement guard and response prior, but not its own lexical stage, which
+this script re-measures; ``--guard-quantile Q`` re-calibrates the guard at Q on the validation split, as
+``coreply index build --restatement-quantile`` would).
 Every ``--weights`` value on each split (``--start`` and ``--limit`` say which pairs), against dense
 alone: hits@1 / hits@10, wins, losses, a one-sided paired bootstrap p, and how often the top answer
 restates the last turn (``restatement_guard.py``'s two judges; people's own rate beside). The weight is
@@ -63,6 +64,7 @@ def dense_stage(args: argparse.Namespace, splits: dict) -> Pipeline:
             entry = restatement.calibrate(bot.backend.encode_responses, splits["valid"], args.guard_quantile)
             bot.pipeline.guard = restatement.Guard.of(entry)
             print("guard", entry, flush=True)
+        bot.pipeline.lexical = None  # the dense stage alone: the rows below are BM25 over it
         return bot.pipeline
     golds = [pair for s in args.split for pair in splits[s][args.start : args.start + args.limit]]
     pool = pool_for_eval(responses_of(splits), golds, args.pool or None, 0)

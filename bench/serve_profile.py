@@ -1,9 +1,10 @@
 """Where a request's time goes (issue #14), in process: a bundle's answer path, the service's own
 :class:`~coreply.ranking.Pipeline` without HTTP, queueing or micro-batching, over chitchat test
 contexts in batches of the given sizes (1: a lone client; 64: what the micro-batcher builds under load).
-Per stage (encode, search, filter, rerank) by the wall clock, then once more under ``torch.profiler``:
-host and, on CUDA, device time per operator, and how much of the wall the device was busy. With the
-ONNX backend the models run outside PyTorch; ``bench/rerank_ops.py`` profiles those per operator.
+Per stage (encode, search, filter, lexical, rerank) by the wall clock, then once more under
+``torch.profiler``: host and, on CUDA, device time per operator, and how much of the wall the device was
+busy. With the ONNX backend the models run outside PyTorch; ``bench/rerank_ops.py`` profiles those per
+operator. ``--no-lexical`` answers without the bundle's lexical stage (its cost: the difference of two runs).
 
     python bench/serve_profile.py --bundle artifacts/gpu-bench --backend torch --device cuda \\
         --n-r 100 --batch 1 64 --out docs/serve-profile-gpu.json
@@ -41,11 +42,12 @@ def answer(ranking: Pipeline, queries: list[Query], n_r: int, cuda: bool) -> dic
     if cuda:
         torch.cuda.synchronize()
     done = time.perf_counter()
-    encode, search = ranking.timings.get("encode", 0.0), ranking.timings.get("search", 0.0)
+    encode, search, lexical = (ranking.timings.get(k, 0.0) for k in ("encode", "search", "lexical"))
     return {
         "encode": encode,
         "search": search,
-        "filter": recalled - start - encode - search,  # echo and guard filtering
+        "filter": recalled - start - encode - search - lexical,  # echo and guard filtering
+        "lexical": lexical,
         "rerank": done - recalled,
         "total": done - start,
     }
@@ -61,6 +63,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 64], help="requests answered together")
     p.add_argument("--requests", type=int, default=128, help="test contexts per batch size")
     p.add_argument("--top", type=int, default=15, help="operators listed per batch size")
+    p.add_argument("--no-lexical", action="store_true", help="without the bundle's lexical stage")
     p.add_argument("--out", type=Path, help="write the result as JSON here too")
     args = p.parse_args()
     if min(args.n_r, args.requests, args.top, args.threads, *args.batch) < 1:
@@ -74,8 +77,11 @@ def main() -> None:
     except BundleError as exc:
         raise SystemExit(f"--bundle: {exc}") from None
     ranking = pipeline(bundle, make_backend(bundle, args.backend, args.threads, args.device))
+    if args.no_lexical:
+        ranking.lexical = None
     contexts = [p.context for p in load_chitchat()["test"][: args.requests]]
-    result: dict = provenance() | {"bundle": args.bundle, "device": args.device, "n_r": args.n_r, "rows": []}
+    result: dict = provenance() | {"bundle": args.bundle, "device": args.device, "n_r": args.n_r,
+                                   "lexical": ranking.lexical is not None, "rows": []}  # fmt: skip
     for size in args.batch:
         batches = [[Query(tuple(c)) for c in contexts[i : i + size]] for i in range(0, len(contexts), size)]
         answer(ranking, batches[0], args.n_r, cuda)  # warm-up: caches, kernels, allocator

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from coreply.config import ZERO_SHOT, ModelConfig
+from coreply.lexical import DEPTH as LEXICAL_DEPTH
 from coreply.restatement import DEFAULT_QUANTILE, check_quantile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -28,6 +29,8 @@ class CliError(Exception):
     """A user error: printed as one line, exit code 2."""
 
 
+LEXICAL_PAIRS = 2000
+"""--queries pairs that choose the lexical stage's weight (--lexical auto)."""
 DEFAULTS_SHOWN = {"formatter_class": argparse.ArgumentDefaultsHelpFormatter}
 
 
@@ -52,6 +55,19 @@ def guard_quantile(text: str) -> float | None:
         return check_quantile(float(text))
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be 'off' or in [0.5, 1), got {text}") from None
+
+
+def lexical_weight(text: str) -> float | str | None:
+    """An argparse type: 'off', 'auto', or the lexical stage's z-score weight of the dense score in [0, 1)."""
+    if text in ("off", "auto"):
+        return None if text == "off" else text
+    try:
+        weight = float(text)
+    except ValueError:
+        weight = -1.0
+    if not 0 <= weight < 1:
+        raise argparse.ArgumentTypeError(f"must be 'auto', 'off' or a weight in [0, 1), got {text}")
+    return weight
 
 
 def _load_data(spec: str, max_turns: int) -> dict[str, list]:
@@ -693,6 +709,20 @@ def _index_parser(sub) -> None:
         "for responses close to every context, weighted by hits@1 on --queries; 'none': no prior "
         "(default: the built-in train split for the chitchat pool, none for a file)",
     )
+    b.add_argument(
+        "--lexical",
+        type=lexical_weight,
+        default="auto",
+        help="BM25 reorders the first --lexical-depth candidates, z-score fused with the dense score at "
+        f"this weight; 'auto' (default): the weight with the best hits@1 on the first {LEXICAL_PAIRS} "
+        "--queries pairs (none: no lexical stage); 'off': none",
+    )
+    b.add_argument(
+        "--lexical-depth",
+        type=at_least(2),
+        default=LEXICAL_DEPTH,
+        help=f"candidates the lexical stage reorders (default {LEXICAL_DEPTH})",
+    )
     b.add_argument("--factory", default="Flat", help="FAISS factory string, e.g. Flat, IVF1024,Flat, HNSW32")
     b.add_argument("--search-params", default="", help="e.g. nprobe=16 or efSearch=128")
     b.add_argument(
@@ -770,6 +800,8 @@ def _cmd_index(args: argparse.Namespace) -> int:
         print("note: no --queries pairs to calibrate on: the z-score fusion weight stays at its default")
     if args.restatement_quantile is not None and not pairs:
         print("note: no --queries pairs to calibrate on: the bundle has no restatement guard")
+    if args.lexical == "auto" and not pairs:
+        print("note: no --queries pairs to choose the lexical weight on: the bundle has no lexical stage")
     manifest = build_bundle(
         args.output,
         texts,
@@ -790,7 +822,12 @@ def _cmd_index(args: argparse.Namespace) -> int:
         guard_pairs=pairs,
         guard_quantile=args.restatement_quantile,
         prior_pairs=prior_pairs,
+        lexical_pairs=pairs[:LEXICAL_PAIRS] if args.lexical == "auto" else (),
+        lexical_weight=None if args.lexical in ("auto", None) else args.lexical,
+        lexical_depth=args.lexical_depth,
     )
+    if args.lexical == "auto" and pairs and "lexical" not in manifest:
+        print("note: BM25 did not raise hits@1 on --queries at any weight: the bundle has no lexical stage")
     info, dropped = manifest["index"], manifest["build"]["dropped_duplicates_or_blank"]
     if dropped:
         print(f"note: {dropped} of the pool's {len(texts)} texts were blank or repeats (after normalisation)")

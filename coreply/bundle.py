@@ -17,6 +17,8 @@ Layout::
                       facts) used when a request brings none
     prior.npy         optional: the response prior (float32, one value per response; its weight is
                       ``manifest.prior.alpha``), subtracted from retrieval scores (:mod:`coreply.prior`)
+    lexical.json      optional: the pool's BM25 statistics for the lexical stage (its weight, depth and
+                      query turns are ``manifest.lexical``; :mod:`coreply.lexical`)
 
 A bundle is written to a temporary directory and renamed into place, and is verified on load: every
 file's sha256, the index dimension and count, the response count and the model hashes must agree with
@@ -37,6 +39,8 @@ import numpy as np
 
 from coreply.artifacts import read_sealed, seal
 from coreply.checkpoint import CheckpointError, read_meta
+from coreply.lexical import BM25
+from coreply.lexical import Stage as LexicalStage
 from coreply.prior import Prior
 from coreply.ranking import ZSCORE_WEIGHT, Hits, Pipeline
 from coreply.restatement import Guard
@@ -49,6 +53,7 @@ RESPONSES = "responses.jsonl"
 TOKENS = "tokens"
 KNOWLEDGE = "knowledge.json"
 PRIOR = "prior.npy"
+LEXICAL = "lexical.json"
 BACKENDS = ("auto", "onnx", "torch", "torch-bf16")
 
 
@@ -131,6 +136,7 @@ class Bundle:
     metadata: list[dict[str, Any]] = field(default_factory=list)  # per id; {} where none was given
     knowledge: list[str] = field(default_factory=list)  # the default knowledge sentences
     prior: Prior | None = None
+    lexical: LexicalStage | None = None
 
     @property
     def version(self) -> str:
@@ -205,7 +211,31 @@ def load_bundle(path: str | Path, verify: bool = True) -> Bundle:
         _check(ok, root, f"{PRIOR} must hold one finite float32 per response ({len(texts)})")
         prior = Prior(float(manifest["prior"]["alpha"]), values)
     keys = [normalize(t) for t in texts]
-    return Bundle(root, manifest, index, texts, keys, tokens, metadata, knowledge, prior)
+    lexical = read_lexical(root, manifest, len(texts))
+    return Bundle(root, manifest, index, texts, keys, tokens, metadata, knowledge, prior, lexical)
+
+
+def write_lexical(root: Path, bm25: BM25) -> None:
+    with open(root / LEXICAL, "w", encoding="utf-8") as fh:
+        json.dump(bm25.to_json(), fh, ensure_ascii=False)
+
+
+def read_lexical(root: Path, manifest: dict[str, Any], count: int) -> LexicalStage | None:
+    """The lexical stage ``manifest.lexical`` describes, over the BM25 statistics of ``count`` responses
+    in ``lexical.json`` (None for a bundle without one)."""
+    entry = manifest.get("lexical")
+    if not entry:
+        return None
+    try:
+        bm25 = BM25.from_json(json.loads((root / LEXICAL).read_text(encoding="utf-8")))
+    except (OSError, ValueError) as exc:  # a JSONDecodeError too
+        raise BundleError(f"{root}: {LEXICAL}: {exc}") from exc
+    _check(bm25.docs == count, root, f"{LEXICAL} describes {bm25.docs} responses, the pool holds {count}")
+    weight, depth, turns = entry.get("weight"), entry.get("depth"), entry.get("turns")
+    ok = isinstance(weight, (int, float)) and 0 <= weight <= 1
+    ok = ok and all(isinstance(n, int) and n >= 1 for n in (depth, turns))
+    _check(ok, root, "manifest 'lexical' needs a weight in [0, 1] and depth, turns >= 1")
+    return LexicalStage(bm25, float(weight), depth, turns)
 
 
 def write_knowledge(root: Path, sentences: Sequence[str]) -> None:
@@ -397,4 +427,5 @@ def pipeline(bundle: Bundle, backend: Any, index: Any = None) -> Pipeline:
         select_knowledge=backend.select_knowledge,
         reads_knowledge=backend.reads_knowledge,
         guard=Guard.of(guard) if guard else None,
+        lexical=bundle.lexical,
     )

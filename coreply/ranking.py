@@ -1,5 +1,5 @@
-"""The ranking path, written once: recall -> drop echoes, exclusions and restatements -> rerank -> fuse
--> order.
+"""The ranking path, written once: recall -> drop echoes, exclusions and restatements -> reorder by the
+words shared with the context (the lexical stage, when the pool has one) -> rerank -> fuse -> order.
 
 The rerank stage is a cross-encoder (pairs through a transformer) or, when the retriever is a
 Poly-encoder, the poly stage: its context codes attend over the candidates' cached response vectors
@@ -15,6 +15,7 @@ every fusion and n_r.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol, get_args
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 
 from coreply import restatement
+from coreply.lexical import Stage as LexicalStage
 from coreply.models import poly_scores
 from coreply.text import normalize
 from coreply.vectors import TextVectors, unit
@@ -89,12 +91,20 @@ class Query:
 
 @dataclass
 class Candidates:
-    """One query's candidates in retrieval order, and the reranker's scores of the first few."""
+    """One query's candidates in first-stage order, and the reranker's scores of the first few. The first
+    stage is the dense retriever alone, or with a lexical stage the fusion of its scores with BM25's."""
 
     ids: np.ndarray  # [n] pool ids
-    retrieval: np.ndarray  # [n] float64
+    retrieval: np.ndarray  # [n] float64, the dense retriever's scores
     rerank: np.ndarray | None = field(default=None)  # [m <= n] float64, scores of ids[:m]
     codes: np.ndarray | None = field(default=None)  # [m, D] the context's Poly-encoder codes
+    lexical: np.ndarray | None = field(default=None)  # [n] float64, BM25 scores (a lexical stage)
+    hybrid: np.ndarray | None = field(default=None)  # [n] float64, dense fused with lexical
+
+    @property
+    def first_stage(self) -> np.ndarray:
+        """[n] the scores the candidates are in order of: ``hybrid`` when set, else ``retrieval``."""
+        return self.retrieval if self.hybrid is None else self.hybrid
 
 
 def zscore(x: np.ndarray) -> np.ndarray:
@@ -119,8 +129,9 @@ def order(
     candidates: Candidates, fusion: str, n_r: int, weight: float = ZSCORE_WEIGHT
 ) -> tuple[np.ndarray, np.ndarray]:
     """(positions best first, their final scores) among the first ``n_r`` candidates under ``fusion``;
-    ties keep retrieval order. Any fusion but ``retrieval`` needs rerank scores of those ``n_r``."""
-    retrieval = candidates.retrieval[:n_r]
+    ties keep first-stage order. Fusion ``retrieval`` is the first stage's order (dense, or dense with
+    lexical); any other needs rerank scores of those ``n_r``."""
+    retrieval = candidates.first_stage[:n_r]
     if fusion == "retrieval" or not len(retrieval):
         final = retrieval
     else:
@@ -156,7 +167,9 @@ class Pipeline:
     stage is the cross-encoder ``score_pairs`` when given, else with ``poly`` the Poly-encoder
     retriever's own codes, else none. A cross-encoder that reads knowledge is given each query's
     knowledge as ``select_knowledge`` narrows it (:meth:`ground`), or as the query carries it. With a
-    restatement ``guard``, recall drops candidates that restate the context (:mod:`coreply.restatement`)."""
+    restatement ``guard``, recall drops candidates that restate the context (:mod:`coreply.restatement`);
+    with a ``lexical`` stage it then reorders them by the words they share with it
+    (:mod:`coreply.lexical`)."""
 
     def __init__(
         self,
@@ -169,11 +182,12 @@ class Pipeline:
         select_knowledge: SelectKnowledge | None = None,
         reads_knowledge: bool = False,
         guard: restatement.Guard | None = None,
+        lexical: LexicalStage | None = None,
     ) -> None:
         self.retrieve, self.texts, self.keys = retrieve, texts, keys
         self.score_pairs, self.weight = score_pairs, weight
         self.select_knowledge, self.reads_knowledge = select_knowledge, reads_knowledge
-        self.guard = guard
+        self.guard, self.lexical = guard, lexical
         if poly and score_pairs is None and not hasattr(retrieve, "vectors"):
             raise ValueError("the poly stage needs a Poly-encoder retriever (with cached response vectors)")
         if guard is not None and not (hasattr(retrieve, "vectors") and hasattr(retrieve, "encode_responses")):
@@ -185,15 +199,18 @@ class Pipeline:
         )
         self.reranker = "cross" if score_pairs is not None else "poly" if poly else None
         self.timings: dict[str, float] = {}
-        """Seconds per stage the retriever reports (``encode``, ``search``), summed over the last
-        :meth:`recall`'s calls (a guarded recall may search again deeper)."""
+        """Seconds per stage of the last :meth:`recall`: the retriever's (``encode``, ``search``, summed
+        over its calls: a guarded recall may search again deeper) and ``lexical``."""
 
     def recall(self, queries: Sequence[Query], n: Sequence[int]) -> list[Candidates]:
         """Up to ``n[i]`` answerable candidates for each query, from one retrieval call for all (and, for
-        guarded queries the guard left short, deeper calls for those: :data:`restatement.DEEPEN`)."""
+        guarded queries the guard left short, deeper calls for those: :data:`restatement.DEEPEN`). A
+        lexical stage reorders up to its ``depth`` answerable candidates of that search, then keeps
+        ``n[i]``."""
         guard = self.guard is not None
-        k = max(q.depth(m) for q, m in zip(queries, n, strict=True)) + (restatement.MARGIN if guard else 0)
-        k = min(k, len(self.texts))
+        fetch = [max(m, self.lexical.depth) for m in n] if self.lexical else n
+        k = max(q.depth(m) for q, m in zip(queries, fetch, strict=True))
+        k = min(k + (restatement.MARGIN if guard else 0), len(self.texts))
         out: list[Candidates | None] = [None] * len(queries)
         todo = list(range(len(queries)))
         timings: dict[str, float] = {}
@@ -208,13 +225,29 @@ class Pipeline:
                 if len(keep[row]) < n[i] and guard and not queries[i].allow_restatements and deeper > k:
                     short.append(i)
                     continue
-                kept = keep[row][: n[i]]
+                kept = keep[row][: fetch[i]]
                 codes = None if hits.codes is None else hits.codes[row]
                 scores = np.asarray(hits.scores[row], dtype="float64")[kept]
                 out[i] = Candidates(np.asarray(hits.ids[row])[kept], scores, codes=codes)
             todo, k = short, deeper
+        if self.lexical is not None:
+            start = time.perf_counter()
+            out = [self._reorder(q, c, m) for q, c, m in zip(queries, out, n, strict=True)]  # type: ignore[arg-type]
+            timings["lexical"] = time.perf_counter() - start
         self.timings = timings
         return out  # type: ignore[return-value]
+
+    def _reorder(self, query: Query, c: Candidates, n: int) -> Candidates:
+        """The lexical stage on one query's candidates: BM25 scores of their texts against its context,
+        z-score fused with their dense scores; the best ``n`` of that order."""
+        stage = self.lexical
+        assert stage is not None
+        bm25 = stage.scores(query.context, [self.texts[i] for i in c.ids])  # [n']
+        fused = fuse("zscore", c.retrieval, bm25, stage.weight) if len(bm25) else bm25
+        best = np.argsort(-fused, kind="stable")[:n]
+        return replace(
+            c, ids=c.ids[best], retrieval=c.retrieval[best], lexical=bm25[best], hybrid=fused[best]
+        )
 
     def _answerable(self, queries: Sequence[Query], ids: np.ndarray) -> list[list[int]]:
         """Per query, the positions of its hit ``ids`` [B, k] that :meth:`Query.keep` allows and, unless

@@ -27,8 +27,9 @@ class Reply:
     id: int  # row in the bundle (what ``exclude_ids`` takes)
     text: str
     score: float  # under the fusion used
-    retrieval_score: float
+    retrieval_score: float  # the dense retriever's
     rerank_score: float | None
+    lexical_score: float | None  # BM25's, with a lexical stage
     metadata: dict[str, Any]  # the pool file's other fields for this response ({} if none)
 
 
@@ -86,7 +87,7 @@ class Responder:
 def replies(bundle: Bundle, candidates: Candidates, positions: np.ndarray, final: np.ndarray) -> list[Reply]:
     """The candidates at ``positions`` (best first, as :func:`~coreply.ranking.order` gives them, with
     their ``final`` scores) as replies."""
-    rerank = candidates.rerank
+    rerank, lexical = candidates.rerank, candidates.lexical
     return [
         Reply(
             id=int(candidates.ids[j]),
@@ -94,6 +95,7 @@ def replies(bundle: Bundle, candidates: Candidates, positions: np.ndarray, final
             score=float(score),
             retrieval_score=float(candidates.retrieval[j]),
             rerank_score=None if rerank is None else float(rerank[j]),
+            lexical_score=None if lexical is None else float(lexical[j]),
             metadata=bundle.metadata[candidates.ids[j]],
         )
         for j, score in zip(positions, final, strict=False)

@@ -10,16 +10,18 @@ import platform
 import shutil
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
-from coreply import prior, restatement
+from coreply import lexical, prior, restatement
 from coreply.artifacts import link_or_copy, staging
 from coreply.bundle import (
     INDEX,
+    LEXICAL,
     MANIFEST,
     PRIOR,
     RESPONSES,
@@ -32,6 +34,7 @@ from coreply.bundle import (
     pipeline,
     searcher,
     write_knowledge,
+    write_lexical,
     write_responses,
     write_tokens,
 )
@@ -44,7 +47,8 @@ from coreply.knowledge import trained_top_m
 from coreply.ranking import Pipeline
 from coreply.text import normalize
 from coreply.tokenization import flat_pieces
-from evaluation.protocols import choose_zscore_weight, retrieve_and_rerank
+from evaluation.metrics import summarize
+from evaluation.protocols import choose_zscore_weight, ranks_for, retrieve_and_rerank
 from index_builder.faiss_index import EXACT, check_index_spec, make_index, recall_vs_exact
 
 ONNX_CHOICES = ("int8", "fp32", "none")
@@ -93,6 +97,29 @@ def calibrate_zscore(ranking: Pipeline, pairs: Sequence[Pair], n_r: int = 10) ->
     return {"zscore_weight": weight, "calibrated_on": f"{len(pairs)} held-out pairs, hits@1 at n_r={n_r}"}
 
 
+def calibrate_lexical(
+    ranking: Pipeline, bm25: lexical.BM25, pairs: Sequence[Pair], depth: int, weight: float | None
+) -> tuple[lexical.Stage, dict[str, Any]]:
+    """The lexical stage over ``ranking``'s first ``depth`` candidates and its manifest entry: at
+    ``weight``, or (None) the z-score weight with the best hits@1 on held-out ``pairs`` whose gold
+    responses are in the pool (1.0: dense alone; the evaluation's own grid search)."""
+    stage = lexical.Stage(bm25, 1.0 if weight is None else weight, depth)
+    entry: dict[str, Any] = {"depth": depth, "turns": stage.turns, "stopwords": "english (NLTK's, as bm25s)"}
+    if weight is not None:
+        return stage, entry | {"weight": weight, "calibrated_on": "given (--lexical)"}
+    got = retrieve_and_rerank(pairs, ranking, depth, 0)
+    for pair, c in zip(pairs, got.candidates, strict=True):
+        c.rerank = stage.scores(pair.context, [ranking.texts[i] for i in c.ids])
+    chosen = choose_zscore_weight(pairs, ranking.keys, got, depth)
+    hits = {
+        name: round(summarize(ranks_for(pairs, ranking.keys, got, "zscore", depth, w))["hits@1"], 2)
+        for name, w in (("dense", 1.0), ("with lexical", chosen))
+    }
+    calibrated = f"{len(pairs)} held-out pairs, hits@1 of the first answer"
+    entry |= {"weight": chosen, "calibrated_on": calibrated, "hits@1": hits}
+    return replace(stage, weight=chosen), entry
+
+
 def _model_entry(path: Path, spec: str) -> dict[str, Any]:
     meta = read_meta(path, verify=False)
     return {
@@ -124,6 +151,9 @@ def build_bundle(
     guard_pairs: Sequence[Pair] = (),
     guard_quantile: float | None = restatement.DEFAULT_QUANTILE,
     prior_pairs: Sequence[Pair] = (),
+    lexical_pairs: Sequence[Pair] = (),
+    lexical_weight: float | None = None,
+    lexical_depth: int = lexical.DEPTH,
 ) -> dict[str, Any]:
     """Encode ``texts`` (normalised duplicates dropped, first spelling kept, ids in order) and write a
     bundle to ``out`` atomically. ``queries`` (contexts) measure the index's recall against exact search;
@@ -134,13 +164,19 @@ def build_bundle(
     given) and a default ``knowledge`` set for requests that bring none. ``guard_pairs`` (held-out
     pairs) calibrate the restatement guard at ``guard_quantile`` (None, or no pairs: no guard).
     ``prior_pairs`` (e.g. the training split) give the response prior its reference contexts, and
-    ``guard_pairs`` choose its weight (none of either: no prior)."""
+    ``guard_pairs`` choose its weight (none of either: no prior). A lexical stage (BM25 reordering the
+    first ``lexical_depth`` candidates, :mod:`coreply.lexical`) is served at ``lexical_weight``, or with
+    ``lexical_pairs`` at the weight they choose (neither, or a chosen weight of 1: no lexical stage)."""
     if onnx not in ONNX_CHOICES:
         raise ValueError(f"--onnx must be one of {ONNX_CHOICES}, got {onnx!r}")
     if top_m is not None and top_m < 1:
         raise ValueError(f"--top-m must be >= 1, got {top_m}")
     if guard_quantile is not None:
         restatement.check_quantile(guard_quantile)  # before minutes of encoding, not after
+    if lexical_weight is not None and not 0 <= lexical_weight <= 1:
+        raise ValueError(f"--lexical: give a weight in [0, 1], 'auto' or 'off', got {lexical_weight}")
+    if lexical_depth < 2:
+        raise ValueError(f"--lexical-depth: give at least 2 candidates to reorder, got {lexical_depth}")
     knowledge = [k for k in (t.strip() for t in knowledge) if k]
     started = time.perf_counter()
     torch_device = resolve_device(device)
@@ -182,6 +218,8 @@ def build_bundle(
                     f"--bi {bi}: build the bundle with that retriever"
                 )
             manifest["fusion"] = {"default": "sum"}
+            if lexical_weight is not None or lexical_pairs:
+                raise ValueError("--lexical: a residual reranker corrects dense scores; give --lexical off")
         if knowledge_retriever:
             manifest["models"]["knowledge"] = _model_entry(tmp / "knowledge", knowledge_retriever)
         if grounded:
@@ -217,6 +255,15 @@ def build_bundle(
             )
             np.save(tmp / PRIOR, bundle.prior.values)
         ranking = pipeline(bundle, backend, search)
+        if lexical_weight is not None or lexical_pairs:
+            from bm25s.stopwords import STOPWORDS_EN
+
+            bm25 = lexical.BM25.fit(pool, STOPWORDS_EN)
+            stage, entry = calibrate_lexical(ranking, bm25, lexical_pairs, lexical_depth, lexical_weight)
+            if stage.weight < 1:
+                write_lexical(tmp, bm25)
+                bundle.lexical = ranking.lexical = stage
+                manifest["lexical"] = entry
         if ranking.reranker is not None and calibration:
             manifest["fusion"] = {**manifest.get("fusion", {}), **calibrate_zscore(ranking, calibration)}
         import faiss
@@ -280,9 +327,11 @@ def add_responses(
 
     with staging(root) as tmp:
         for name in bundle.manifest["files"]:
-            if name not in (INDEX, RESPONSES, MANIFEST, PRIOR) and not name.startswith(f"{TOKENS}/"):
+            if name not in (INDEX, RESPONSES, MANIFEST, PRIOR, LEXICAL) and not name.startswith(f"{TOKENS}/"):
                 link_or_copy(root / name, tmp / name)
         faiss.write_index(bundle.index, str(tmp / INDEX))
+        if bundle.lexical is not None:  # the pool's statistics, the new responses counted
+            write_lexical(tmp, bundle.lexical.bm25.add(new))
         if bundle.prior is not None:  # the reference contexts are not kept: new responses get the median
             fill = np.full(len(new), np.median(bundle.prior.values), dtype=np.float32)
             np.save(tmp / PRIOR, np.concatenate([bundle.prior.values, fill]))

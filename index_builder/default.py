@@ -5,9 +5,12 @@ Recipe: the bi-encoder in ``coreply/weights/default-bi`` (low-rank adapters over
 scaled cosine, one shared tower, trained with in-batch negatives; provenance and measured metrics in its
 ``checkpoint.json`` and in ``coreply/weights/README.md``) as the retriever over every distinct response
 of the chitchat corpus (124,141), int8 ONNX (one scale per output channel, 7-bit weights), exact inner-product
-search, the restatement guard calibrated on the validation split (:mod:`coreply.restatement`), and the
-response prior measured on 20,000 training contexts, weighted by hits@1 on the whole validation split
-(:mod:`coreply.prior`). No
+search, the restatement guard calibrated on the validation split at its 0.98 quantile
+(:mod:`coreply.restatement`), the response prior measured on 20,000 training contexts, weighted by hits@1
+on the whole validation split (:mod:`coreply.prior`), and the lexical stage (BM25 reordering the first 100
+candidates, :mod:`coreply.lexical`) at the weight with the best hits@1 on the first 2,000 validation
+pairs. The stricter guard and the lexical stage come together: BM25 favours the context's own words, and
+the guard's 0.995 quantile let its restatements through (docs/results.md §34, §35). No
 reranker yet: none trained so far beats the retriever (docs/results.md §7–8). A reranker that earns its
 place is shipped as ``coreply/weights/default-cross`` (adapters; ``coreply compact`` makes them from one
 trained in full); when that checkpoint exists the default reranks the
@@ -23,11 +26,13 @@ from typing import Any
 import coreply
 
 RECALL_QUERIES = 500
-RECIPE = "default bundle, recipe 6 (restatement guard, 7-bit per-channel int8, prior weighed on all valid)"
+RECIPE = "default bundle, recipe 7 (guard at 0.98, lexical stage, 7-bit per-channel int8, prior on all valid)"
 """Recorded as the bundle's build command; a default bundle built by another recipe is rebuilt."""
 DEFAULT_BI = Path(coreply.__file__).parent / "weights" / "default-bi"
 DEFAULT_CROSS = Path(coreply.__file__).parent / "weights" / "default-cross"
 CALIBRATION_PAIRS = 500
+GUARD_QUANTILE = 0.98
+LEXICAL_PAIRS = 2000
 
 
 def shipped_cross() -> Path | None:
@@ -53,7 +58,9 @@ def build_default_bundle(out: str | Path, progress: bool = True) -> dict[str, An
         progress=progress,
         command=RECIPE,
         guard_pairs=splits["valid"],
+        guard_quantile=GUARD_QUANTILE,
         prior_pairs=splits["train"],
+        lexical_pairs=splits["valid"][:LEXICAL_PAIRS],
     )
 
 

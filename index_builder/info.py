@@ -31,6 +31,17 @@ def _model(entry: dict[str, Any] | None) -> str:
     return f"{entry['source']} ({'; '.join(parts)})"
 
 
+def _lexical(entry: dict[str, Any] | None) -> str:
+    if not entry:
+        return "none"
+    hits = entry.get("hits@1")
+    measured = f": hits@1 {hits['dense']} dense alone, {hits['with lexical']} with it" if hits else ""
+    return (
+        f"BM25 reorders the first {entry['depth']} candidates, z-score weight {entry['weight']} of the dense "
+        f"score ({entry['calibrated_on']}{measured})"
+    )
+
+
 def describe(path: str | Path) -> list[tuple[str, str]]:
     """(label, value) lines describing the bundle at ``path`` (its hashes verified first)."""
     root = Path(path)
@@ -38,7 +49,7 @@ def describe(path: str | Path) -> list[tuple[str, str]]:
     build, index = m["build"], m["index"]
     added = sum(a["added"] for a in m.get("additions", []))
     recall = ", ".join(f"{k} {v}" for k, v in index["recall_vs_exact"].items()) or "not measured"
-    fusion, guard, prior = m.get("fusion"), m.get("restatement"), m.get("prior")
+    fusion, guard, prior, lexical = m.get("fusion"), m.get("restatement"), m.get("prior"), m.get("lexical")
     sizes = {name: _size(root / name) for name in sorted({f.split("/")[0] for f in m["files"]})}
     lines = [
         ("bundle", f"{root} (version {m['bundle_version']}, {m['format']}, built {build['created']})"),
@@ -76,6 +87,7 @@ def describe(path: str | Path) -> list[tuple[str, str]]:
             if prior
             else "none",
         ),
+        ("lexical", _lexical(lexical)),
         ("encoder", f"{m['encoder']}; built on {build['host']} in {build['total_seconds']} s"),
         (
             "size",

@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 disable_created_metrics()  # the *_created series only add noise
 
 LATENCY_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
-STAGES = ("encode", "search", "filter", "knowledge", "rerank", "queue_wait")
+STAGES = ("encode", "search", "filter", "lexical", "knowledge", "rerank", "queue_wait")
 
 
 class Metrics:

@@ -79,6 +79,7 @@ def build_router(settings: Settings, request_model: type) -> APIRouter:
             "reranker": engine.pipeline.reranker,
             "restatement_guard": engine.bundle.manifest.get("restatement"),
             "response_prior": engine.bundle.manifest.get("prior"),
+            "lexical": engine.bundle.manifest.get("lexical"),
             "knowledge": {
                 "reads": engine.pipeline.reads_knowledge,
                 "retriever": engine.pipeline.select_knowledge is not None,

@@ -62,8 +62,9 @@ def respond_request_model(settings: Settings) -> type[RespondBase]:
             Fusion | None,
             Field(
                 None,
-                description="final score: retrieval only, rerank only, their sum, or z-score fusion with the "
-                "bundle's calibrated weight; default zscore with a reranker, else retrieval",
+                description="final score: retrieval only (the first stage: dense, fused with BM25 where the "
+                "bundle has a lexical stage), rerank only, their sum, or z-score fusion with the bundle's "
+                "calibrated weight; default zscore with a reranker, else retrieval",
             ),
         ),
         min_retrieval_score=(
@@ -107,9 +108,12 @@ def respond_request_model(settings: Settings) -> type[RespondBase]:
 class Candidate(BaseModel):
     id: int = Field(description="the response's row in the bundle (usable in `exclude`)")
     text: str
-    score: float
-    retrieval_score: float
+    score: float = Field(description="under the fusion used")
+    retrieval_score: float = Field(description="the dense retriever's (what min_retrieval_score reads)")
     rerank_score: float | None = None
+    lexical_score: float | None = Field(
+        None, description="BM25 against the context's words, with a bundle's lexical stage (GET /readyz)"
+    )
     metadata: dict[str, Any] | None = Field(
         None, description="the pool file's other fields for this response (your id, intent, template...)"
     )
@@ -130,8 +134,8 @@ class RespondResponse(BaseModel):
     bundle_version: str
     timings_ms: dict[str, float] = Field(
         description="total, queue_wait, encode, search, filter (dropping echoes, exclusions and "
-        "restatements), knowledge (picking the knowledge the reranker reads), rerank (milliseconds; batch "
-        "stages are shared)"
+        "restatements), lexical (BM25 reordering the candidates), knowledge (picking the knowledge the "
+        "reranker reads), rerank (milliseconds; batch stages are shared)"
     )
     degraded: Degraded | None = None
     fallback: str | None = Field(

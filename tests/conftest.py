@@ -117,6 +117,29 @@ def guarded_bundle(tmp_path_factory, tiny_core, toy_pairs) -> Path:
     return out
 
 
+LEXICAL_WEIGHT = 0.4
+
+
+@pytest.fixture(scope="session")
+def lexical_bundle(tmp_path_factory, tiny_core, toy_pairs) -> Path:
+    """The tiny CORE models over the toy pool with a lexical stage at :data:`LEXICAL_WEIGHT` (PyTorch
+    only)."""
+    from index_builder.build import build_bundle
+
+    out = tmp_path_factory.mktemp("bundles") / "lexical"
+    build_bundle(
+        out,
+        toy_pool(),
+        bi=str(tiny_core / "bi"),
+        cross=str(tiny_core / "cross"),
+        onnx="none",
+        lexical_weight=LEXICAL_WEIGHT,
+        lexical_depth=8,
+        progress=False,
+    )
+    return out
+
+
 # ---------------------------------------------------------------------------- real servers
 
 

@@ -53,6 +53,9 @@ def own_data(tmp_path, toy_pairs):
         (["eval", "--bi", "zero-shot", "--out", "e.json", "--candidates", "1"], "--candidates: must be >= 2"),
         (["index", "build", "-o", "R", "--calibrate", "-1"], "argument --calibrate: must be >= 0"),
         (["index", "build", "-o", "R", "--prior-pairs", "gone.jsonl"], "gone.jsonl: no such file"),
+        (["index", "build", "-o", "R", "--lexical", "1"], "--lexical: must be 'auto', 'off' or a weight in"),
+        (["index", "build", "-o", "R", "--lexical", "most"], "--lexical: must be 'auto', 'off' or a weight"),
+        (["index", "build", "-o", "R", "--lexical-depth", "1"], "argument --lexical-depth: must be >= 2"),
     ],
 )
 def test_nonsense_values_are_refused_in_one_line_naming_the_flag(capsys, tmp_path, monkeypatch, argv, says):
@@ -140,6 +143,7 @@ def test_own_data_end_to_end_pool_metadata_eval_and_info(capsys, caplog, tmp_pat
     assert manifest["prior"]["reference_contexts"] == 48 and "prior.npy" in manifest["files"]
     assert manifest["fusion"]["calibrated_on"].startswith("16 held-out pairs")
     assert manifest["build"]["command"].startswith("coreply index build -o")
+    assert "lexical" not in manifest and "BM25 did not raise hits@1" in out  # the toy retriever needs none
 
     from coreply.responder import Responder
 

@@ -31,6 +31,15 @@ def test_serve_profile_times_every_stage_and_lists_operators(tmp_path, tiny_bund
         assert any(op["op"].startswith("aten::") for op in row["operators"])
 
 
+def test_serve_profile_times_the_lexical_stage_and_answers_without_it(tmp_path, lexical_bundle):
+    for flags, on in (([], True), (["--no-lexical"], False)):
+        out = tmp_path / f"profile-{on}.json"
+        bench("serve_profile.py", "--bundle", str(lexical_bundle), "--backend", "torch", "--n-r", "3",
+              "--batch", "2", "--requests", "4", "--top", "1", "--out", str(out), *flags)  # fmt: skip
+        result = json.loads(out.read_text())
+        assert result["lexical"] is on and (result["rows"][0]["ms_per_batch"]["lexical"] > 0) is on
+
+
 def test_rerank_ops_profiles_the_onnx_reranker(tiny_bundle):
     run = bench(
         "rerank_ops.py", "--bundle", str(tiny_bundle), "--n-r", "3", "--requests", "4", "--rounds", "1"

@@ -559,6 +559,9 @@ def test_a_residual_reranker_is_served_as_a_sum_behind_its_own_retriever_only(
     with pytest.raises(ValueError, match="correction to retriever"):
         build_bundle(tmp_path / "other", toy_pool(), cross=cross, onnx="none", progress=False)  # zero-shot
     assert not (tmp_path / "other").exists()
+    with pytest.raises(ValueError, match="--lexical: a residual reranker"):
+        build_bundle(tmp_path / "b", toy_pool(), bi=str(tiny_core / "bi"), cross=cross, onnx="none",
+                     lexical_weight=0.5, progress=False)  # fmt: skip
     build_bundle(tmp_path / "b", toy_pool(), bi=str(tiny_core / "bi"), cross=cross, onnx="none",
                  calibration=toy_pairs[:8], progress=False)  # fmt: skip
     fusion = load_bundle(tmp_path / "b").manifest["fusion"]
@@ -568,3 +571,79 @@ def test_a_residual_reranker_is_served_as_a_sum_behind_its_own_retriever_only(
     with TestClient(create_app(Settings(bundle=tmp_path / "b", threads=1, backend="torch"))) as client:
         got = client.post("/respond", json={"context": list(toy_pairs[0].context), "top_k": 2})
     assert got.status_code == 200 and got.json()["fusion"] == "sum"
+
+
+def test_a_lexical_stage_reorders_the_dense_candidates_as_the_bm25_bench_does(lexical_bundle, toy_pairs):
+    """The served stage against bench/hybrid_bm25.py's way: the dense pipeline's candidates, bm25s over
+    the pool, z-score fusion in evaluation's ``ranked_ids``."""
+    from conftest import LEXICAL_WEIGHT
+
+    from coreply.responder import Responder
+    from evaluation.protocols import BM25Retriever, ranked_ids, retrieve_and_rerank
+    from index_builder.info import describe
+
+    bot = Responder.load(lexical_bundle, backend="torch")
+    entry = bot.bundle.manifest["lexical"]
+    assert (
+        entry["weight"] == LEXICAL_WEIGHT
+        and entry["depth"] == 8
+        and "lexical.json" in bot.bundle.manifest["files"]
+    )
+    assert dict(describe(lexical_bundle))["lexical"].startswith("BM25 reorders the first 8 candidates")
+    stage, bot.pipeline.lexical = bot.pipeline.lexical, None  # the dense stage alone, as the bench takes it
+    pairs = [p for p in toy_pairs[::5]]
+    got = retrieve_and_rerank(pairs, bot.pipeline, 8, 0)
+    bm25 = BM25Retriever(bot.bundle.texts)
+    for pair, c in zip(pairs, got.candidates, strict=True):
+        c.rerank = bm25.scores(bm25.tokens([" ".join(pair.context)])[0])[c.ids]
+    expected = ranked_ids(got, "zscore", 8, LEXICAL_WEIGHT)
+    bot.pipeline.lexical = stage
+    reordered = 0
+    for pair, want, dense in zip(pairs, expected, got.candidates, strict=True):
+        replies = bot.respond(list(pair.context), top_k=3, n_candidates=3, fusion="retrieval")
+        assert [r.id for r in replies] == want[:3].tolist()
+        assert [r.lexical_score for r in replies] == pytest.approx(
+            [bm25.scores(bm25.tokens([" ".join(pair.context)])[0])[r.id] for r in replies], rel=1e-5
+        )
+        reordered += [r.id for r in replies] != dense.ids[:3].tolist()
+    assert reordered  # the stage changed some answer
+
+
+def test_a_lexical_stage_is_chosen_on_pairs_counted_on_add_and_checked_on_load(
+    tmp_path, tiny_core, toy_pairs
+):
+    from bm25s.stopwords import STOPWORDS_EN
+    from conftest import TOPICS
+
+    from coreply.bundle import LEXICAL, finish
+    from coreply.corpus import Pair
+    from coreply.lexical import BM25
+
+    cues = [Pair((f"so, {a.split()[-1]} or {a.split()[-3]}?",), a, n) for n, (_, a) in TOPICS.items()]
+    chosen = build_bundle(tmp_path / "cues", toy_pool(), bi=str(tiny_core / "bi"), onnx="none",
+                          lexical_pairs=cues, progress=False)  # fmt: skip
+    hits = chosen["lexical"]["hits@1"]  # the answer's own words help where the toy retriever was not trained
+    assert 0 <= chosen["lexical"]["weight"] < 1 and hits["with lexical"] > hits["dense"]
+    assert chosen["lexical"]["calibrated_on"] == "8 held-out pairs, hits@1 of the first answer"
+    none = build_bundle(tmp_path / "toy", toy_pool(), bi=str(tiny_core / "bi"), onnx="none",
+                        lexical_pairs=toy_pairs[:24], progress=False)  # fmt: skip
+    assert "lexical" not in none and not (tmp_path / "toy" / LEXICAL).exists()  # trained on them: no gain
+    build_bundle(tmp_path / "b", toy_pool(), bi=str(tiny_core / "bi"), onnx="none", lexical_weight=0.5,
+                 progress=False)  # fmt: skip
+    manifest = add_responses(tmp_path / "b", ["a brand new reply about zebras", "hello"], False)
+    after = load_bundle(tmp_path / "b")
+    assert after.lexical.bm25 == BM25.fit([*toy_pool(), "a brand new reply about zebras"], STOPWORDS_EN)
+    assert after.lexical.weight == 0.5
+    work = tmp_path / "work"  # statistics of another pool, resealed: refused on load
+    shutil.copytree(tmp_path / "b", work)
+    (work / LEXICAL).write_text(json.dumps(BM25.fit(toy_pool(), STOPWORDS_EN).to_json()))
+    (work / MANIFEST).unlink()
+    finish(
+        work,
+        tmp_path / "resealed",
+        {k: v for k, v in manifest.items() if k not in ("files", "bundle_version")},
+    )
+    with pytest.raises(BundleError, match=r"lexical\.json describes 13 responses, the pool holds 14"):
+        load_bundle(tmp_path / "resealed")
+    with pytest.raises(ValueError, match="--lexical: give a weight in"):
+        build_bundle(tmp_path / "c", toy_pool(), onnx="none", lexical_weight=1.5, progress=False)

@@ -56,9 +56,9 @@ def test_respond_ranks_by_fused_score(client):
     for r in body["responses"]:
         assert r["score"] == pytest.approx(r["retrieval_score"] + r["rerank_score"])
     assert body["responses"][0]["text"] == answer  # the toy models learned this topic
-    stages = {"total", "queue_wait", "encode", "search", "filter", "knowledge", "rerank"}
+    stages = {"total", "queue_wait", "encode", "search", "filter", "lexical", "knowledge", "rerank"}
     assert set(body["timings_ms"]) == stages
-    assert body["timings_ms"]["total"] >= body["timings_ms"]["encode"] > 0
+    assert body["timings_ms"]["total"] >= body["timings_ms"]["encode"] > 0 == body["timings_ms"]["lexical"]
     assert body["n_candidates"] == 6 and body["fusion"] == "sum"
 
 
@@ -124,6 +124,24 @@ def test_the_service_guards_against_restatements_like_the_library_unless_a_reque
         assert bad.status_code == 422 and "allow_restatements" in bad.text
         metrics = c.get("/metrics").text
         assert 'coreply_stage_duration_seconds_count{stage="filter"} 3.0' in metrics  # + the warm-up
+
+
+def test_the_service_serves_a_lexical_stage_like_the_library_and_reports_it(lexical_bundle):
+    from coreply.responder import Responder
+
+    bot = Responder.load(lexical_bundle, backend="torch")
+    context = ["hello", "i play a sport: tennis, or football?"]
+    with TestClient(create_app(Settings(bundle=lexical_bundle, threads=1, backend="torch", **LIMITS))) as c:
+        assert c.get("/readyz").json()["lexical"] == load_bundle(lexical_bundle).manifest["lexical"]
+        for fusion in ("retrieval", "zscore"):
+            body = post(c, context=context, top_k=3, n_candidates=5, fusion=fusion).json()
+            want = bot.respond(context, 3, 5, fusion)
+            assert [(r["id"], r["lexical_score"]) for r in body["responses"]] == [
+                (r.id, pytest.approx(r.lexical_score)) for r in want
+            ]
+            assert body["responses"][0]["lexical_score"] > 0 and body["timings_ms"]["lexical"] > 0
+        metrics = c.get("/metrics").text
+        assert 'coreply_stage_duration_seconds_count{stage="lexical"} 3.0' in metrics  # + the warm-up
 
 
 def test_overlapping_stages_answer_concurrent_requests_like_one_thread(tiny_bundle, monkeypatch):
