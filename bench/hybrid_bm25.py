@@ -47,6 +47,12 @@ from evaluation.protocols import (
 )
 from evaluation.restatement import RestatementJudge
 
+QUERIES = {
+    "all": lambda turns: turns,  # as the service's lexical stage reads them (the pairs hold <= 5 turns)
+    "last": lambda turns: turns[-1:],
+    "earlier": lambda turns: turns[:-1],  # the topic, not the words a restatement repeats
+}
+
 
 def dense_stage(args: argparse.Namespace, splits: dict) -> Pipeline:
     """The first stage: a bundle's pipeline as it serves, or a retriever's raw exact search."""
@@ -78,7 +84,7 @@ def measure(split: str, pairs: list, dense: Pipeline, bm25: BM25Retriever, judge
     """One split's rows: dense alone, then dense + BM25 at each weight against it."""
     contexts = [p.context for p in pairs]
     got = retrieve_and_rerank(pairs, dense, args.depth, 0)
-    terms = bm25.tokens([" ".join(c) for c in contexts])
+    terms = bm25.tokens([" ".join(QUERIES[args.query](c)) for c in contexts])
     lexical = [bm25.scores(q)[c.ids[: args.depth]] for c, q in zip(got.candidates, terms, strict=True)]
     got = replace(
         got, candidates=[replace(c, rerank=x) for c, x in zip(got.candidates, lexical, strict=True)]
@@ -118,6 +124,7 @@ def main() -> None:
     p.add_argument("--pool", type=int, default=0, help="with --bi: a sub-pool of N responses (0: all)")
     p.add_argument("--depth", type=int, default=100, help="dense candidates BM25 reorders")
     p.add_argument("--guard-quantile", type=float, help="with --bundle: its restatement guard re-calibrated")
+    p.add_argument("--query", choices=list(QUERIES), default="all", help="the context turns BM25 reads")
     p.add_argument("--weights", type=float, nargs="+", default=[0.9, 0.8, 0.7, 0.6, 0.5])
     p.add_argument("--out", type=Path, required=True, help="JSON file to write")
     args = p.parse_args()
@@ -144,7 +151,7 @@ def main() -> None:
     weighted = [r for r in rows if r["split"] == args.split[0] and "weight" in r]
     chosen = max(weighted, key=lambda r: r["metrics"]["hits@1"])["weight"]  # ties: the weight named first
     result = provenance() | {"first_stage": args.bundle or args.bi, "served": bool(args.bundle),
-                             "guard_quantile": args.guard_quantile,
+                             "guard_quantile": args.guard_quantile, "query": args.query,
                              "pool_size": len(dense.texts), "depth": args.depth,
                              "pairs": f"[{args.start}:{args.start + args.limit}]",
                              "chosen_weight": {"weight": chosen, "on": args.split[0]}, "B": rows}  # fmt: skip

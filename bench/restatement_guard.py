@@ -20,8 +20,8 @@ setting), and prints the top answer to the prompts of issue #12 with the guard o
 
 ``--quantiles Q ...`` instead re-calibrates the guard at each quantile (on the pairs the bundle's own
 guard was calibrated on: the first 5,000 validation pairs for the built-in corpus) and reports hits@1,
-hits@10 and both restatement rates of the guarded answers per quantile; ``--start`` skips the first
-pairs of the split, so that a quantile can be chosen on validation pairs the calibration never saw.
+hits@10 and both restatement rates of the guarded answers per quantile. In either mode ``--start``
+skips the first pairs of the split, e.g. those a quantile or a weight was chosen on.
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bundle", default="artifacts/default-bundle")
     p.add_argument("--split", default="test", choices=["valid", "test"])
-    p.add_argument("--limit", type=int, default=2000, help="first N pairs of the split")
+    p.add_argument("--limit", type=int, default=2000, help="N pairs of the split, from --start")
     p.add_argument("--single", type=int, default=200, help="contexts timed one at a time")
     p.add_argument("--out", default=None, help="JSON file to write")
     p.add_argument("--against", nargs="+", default=[], help="other runs' --out files (same split and limit)")
@@ -152,14 +152,16 @@ def main() -> None:
             "top1_cases" not in other
             or other["meta"]["split"] != args.split
             or other["meta"]["pairs"] != args.limit
+            or other["meta"].get("start", 0) != args.start
         ):
-            raise SystemExit(f"--against {path}: not a run of this bench on {args.split}[:{args.limit}]")
+            span = f"{args.split}[{args.start}:{args.start + args.limit}]"
+            raise SystemExit(f"--against {path}: not a run of this bench on {span}")
 
     bot = Responder.load(args.bundle)
     ranking = bot.pipeline
     if ranking.guard is None:
         raise SystemExit(f"{args.bundle}: this bundle has no restatement guard (rebuild it)")
-    pairs = load_chitchat()[args.split][: args.limit]
+    pairs = load_chitchat()[args.split][args.start : args.start + args.limit]
     contexts = [p.context for p in pairs]
     judge = RestatementJudge(load_bi(ZERO_SHOT))
 
@@ -214,7 +216,9 @@ def main() -> None:
         "bundle": args.bundle,
         "guard": bot.bundle.manifest["restatement"],
         "split": args.split,
+        "start": args.start,
         "pairs": len(pairs),
+        "lexical": bot.bundle.manifest.get("lexical"),
         "pool": len(ranking.texts),
         "date": dt.date.today().isoformat(),
         "machine": f"{platform.machine()} {platform.system()}",

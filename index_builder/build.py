@@ -110,7 +110,7 @@ def calibrate_lexical(
     got = retrieve_and_rerank(pairs, ranking, depth, 0)
     for pair, c in zip(pairs, got.candidates, strict=True):
         c.rerank = stage.scores(pair.context, [ranking.texts[i] for i in c.ids])
-    chosen = choose_zscore_weight(pairs, ranking.keys, got, depth)
+    chosen = round(choose_zscore_weight(pairs, ranking.keys, got, depth), 2)  # 0.6, not 0.6000000000000001
     hits = {
         name: round(summarize(ranks_for(pairs, ranking.keys, got, "zscore", depth, w))["hits@1"], 2)
         for name, w in (("dense", 1.0), ("with lexical", chosen))
