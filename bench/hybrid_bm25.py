@@ -10,8 +10,10 @@ this script re-measures; ``--guard-quantile Q`` re-calibrates the guard at Q on 
 ``coreply index build --restatement-quantile`` would).
 Every ``--weights`` value on each split (``--start`` and ``--limit`` say which pairs), against dense
 alone: hits@1 / hits@10, wins, losses, a one-sided paired bootstrap p, and how often the top answer
-restates the last turn (``restatement_guard.py``'s two judges; people's own rate beside). The weight is
-chosen on the first split named (validation). The JSON's protocol B rows read with ``bench/compare_evals.py``.
+restates the last turn (``restatement_guard.py``'s two judges; people's own rate beside). ``--query``
+says which turns BM25 reads: ``all`` (the service's lexical stage), ``last`` or ``earlier`` (every turn but
+the last). The weight is chosen on the first split named (validation). The JSON's protocol B rows
+read with ``bench/compare_evals.py``.
 
     python bench/hybrid_bm25.py --bi coreply/weights/default-bi --split valid test \\
         --out docs/hybrid-bm25-2026-11-26.json                  # ~15 min here: the pool encoded once, fp32

@@ -188,7 +188,8 @@ def test_hybrid_bm25_reorders_the_retrievers_first_candidates(tmp_path, tiny_cor
     assert set(rows["valid: dense"]["people_restate"]) == {"judge", "words"}
     served = tmp_path / "served.json"  # the same through a bundle's own pipeline and pool
     bench("hybrid_bm25.py", "--bundle", str(guarded_bundle), "--split", "test", "--limit", "10",
-          "--depth", "5", "--weights", "0.5", "--guard-quantile", "0.99", "--out", str(served))  # fmt: skip
+          "--depth", "5", "--weights", "0.5", "--guard-quantile", "0.99", "--query", "earlier",
+          "--out", str(served))  # fmt: skip
     result = json.loads(served.read_text())
-    assert result["served"] and result["guard_quantile"] == 0.99
+    assert result["served"] and result["guard_quantile"] == 0.99 and result["query"] == "earlier"
     assert [r["system"] for r in result["B"]] == ["test: dense", "test: dense + BM25, w=0.5"]
