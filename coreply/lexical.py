@@ -11,7 +11,7 @@ query's terms (repeats counted), of ``idf * tf / (tf + k1 * (1 - b + b * length 
 
 Its statistics (document frequencies, pool size and length, stopwords, parameters) are a bundle's
 ``lexical.json``; candidates' term counts are computed from their texts per request (a hundred short
-texts: well under a millisecond).
+texts: about a millisecond on a 2-vCPU host, docs/performance.md §13).
 """
 
 from __future__ import annotations

@@ -97,47 +97,35 @@ RESTATED = "what is your favorite food ? !"
 """A pool entry that restates a toy question (not an exact echo: the restatement guard's job)."""
 
 
+def tiny_models_over(tmp_path_factory, tiny_core, name: str, pool: list[str], **options) -> Path:
+    """A bundle of the tiny CORE models over ``pool``, built with ``options`` (PyTorch only)."""
+    from index_builder.build import build_bundle
+
+    out = tmp_path_factory.mktemp("bundles") / name
+    models = {"bi": str(tiny_core / "bi"), "cross": str(tiny_core / "cross")}
+    build_bundle(out, pool, **models, onnx="none", progress=False, **options)
+    return out
+
+
 @pytest.fixture(scope="session")
 def guarded_bundle(tmp_path_factory, tiny_core, toy_pairs) -> Path:
     """The tiny CORE models over the toy pool and :data:`RESTATED`, with the restatement guard calibrated
     on the toy pairs (PyTorch only)."""
-    from index_builder.build import build_bundle
-
-    out = tmp_path_factory.mktemp("bundles") / "guarded"
-    build_bundle(
-        out,
-        [*toy_pool(), RESTATED],
-        bi=str(tiny_core / "bi"),
-        cross=str(tiny_core / "cross"),
-        onnx="none",
-        guard_pairs=toy_pairs,
-        guard_quantile=0.99,
-        progress=False,
+    pool = [*toy_pool(), RESTATED]
+    return tiny_models_over(
+        tmp_path_factory, tiny_core, "guarded", pool, guard_pairs=toy_pairs, guard_quantile=0.99
     )
-    return out
 
 
 LEXICAL_WEIGHT = 0.4
 
 
 @pytest.fixture(scope="session")
-def lexical_bundle(tmp_path_factory, tiny_core, toy_pairs) -> Path:
-    """The tiny CORE models over the toy pool with a lexical stage at :data:`LEXICAL_WEIGHT` (PyTorch
-    only)."""
-    from index_builder.build import build_bundle
-
-    out = tmp_path_factory.mktemp("bundles") / "lexical"
-    build_bundle(
-        out,
-        toy_pool(),
-        bi=str(tiny_core / "bi"),
-        cross=str(tiny_core / "cross"),
-        onnx="none",
-        lexical_weight=LEXICAL_WEIGHT,
-        lexical_depth=8,
-        progress=False,
-    )
-    return out
+def lexical_bundle(tmp_path_factory, tiny_core) -> Path:
+    """The tiny CORE models over the toy pool with a lexical stage at :data:`LEXICAL_WEIGHT` over 8
+    candidates (PyTorch only)."""
+    options = {"lexical_weight": LEXICAL_WEIGHT, "lexical_depth": 8}
+    return tiny_models_over(tmp_path_factory, tiny_core, "lexical", toy_pool(), **options)
 
 
 # ---------------------------------------------------------------------------- real servers

@@ -3,6 +3,7 @@
 import json
 import logging
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,7 +12,15 @@ from conftest import toy_pool
 from tiny import WORDS
 
 from coreply.artifacts import content_hash, hash_tree, write_json_atomic
-from coreply.bundle import MANIFEST, BundleError, TorchExactIndex, load_bundle, make_backend, search_on
+from coreply.bundle import (
+    MANIFEST,
+    BundleError,
+    TorchExactIndex,
+    finish,
+    load_bundle,
+    make_backend,
+    search_on,
+)
 from coreply.text import normalize
 from index_builder.build import add_responses, build_bundle
 
@@ -37,6 +46,21 @@ def test_duplicates_are_dropped_and_ids_stay_in_order(tmp_path, tiny_core):
     assert bundle.texts == ["Hello there", "second", "third"]
     assert bundle.manifest["build"]["dropped_duplicates_or_blank"] == 2
     assert not bundle.has_cross and bundle.manifest["models"]["cross"] is None
+
+
+def resealed(bundle: Path, tmp_path: Path, manifest: dict, tamper) -> Path:
+    """A copy of ``bundle`` changed by ``tamper(copy)`` and sealed again with ``manifest``: every hash
+    fits, so only the checks of its contents can refuse it."""
+    work = tmp_path / "work"
+    shutil.copytree(bundle, work)
+    tamper(work)
+    (work / MANIFEST).unlink()
+    finish(
+        work,
+        tmp_path / "resealed",
+        {k: v for k, v in manifest.items() if k not in ("files", "bundle_version")},
+    )
+    return tmp_path / "resealed"
 
 
 @pytest.fixture
@@ -520,7 +544,7 @@ def test_evaluation_fits_and_serves_the_prior_the_bundle_does(prior_bundle, tiny
 
 
 def test_added_responses_get_the_median_prior_and_a_bad_prior_file_is_refused(tmp_path, prior_bundle):
-    from coreply.bundle import PRIOR, finish
+    from coreply.bundle import PRIOR
 
     before = load_bundle(prior_bundle)
     manifest = add_responses(prior_bundle, ["a brand new reply", "another new one"], False)
@@ -528,17 +552,11 @@ def test_added_responses_get_the_median_prior_and_a_bad_prior_file_is_refused(tm
     np.testing.assert_array_equal(after.prior.values[: len(before.texts)], before.prior.values)
     np.testing.assert_array_equal(after.prior.values[-2:], [np.median(before.prior.values)] * 2)
     assert manifest["prior"]["added_at_median"] == 2
-    work = tmp_path / "work"
-    shutil.copytree(prior_bundle, work)
-    np.save(work / PRIOR, after.prior.values[:-1])  # one value short
-    (work / MANIFEST).unlink()
-    finish(
-        work,
-        tmp_path / "resealed",
-        {k: v for k, v in manifest.items() if k not in ("files", "bundle_version")},
+    short = resealed(
+        prior_bundle, tmp_path, manifest, lambda work: np.save(work / PRIOR, after.prior.values[:-1])
     )
     with pytest.raises(BundleError, match=r"prior\.npy must hold one finite float32 per response \(15\)"):
-        load_bundle(tmp_path / "resealed")
+        load_bundle(short)
 
 
 def test_a_residual_reranker_is_served_as_a_sum_behind_its_own_retriever_only(
@@ -615,7 +633,7 @@ def test_a_lexical_stage_is_chosen_on_pairs_counted_on_add_and_checked_on_load(
     from bm25s.stopwords import STOPWORDS_EN
     from conftest import TOPICS
 
-    from coreply.bundle import LEXICAL, finish
+    from coreply.bundle import LEXICAL
     from coreply.corpus import Pair
     from coreply.lexical import BM25
 
@@ -634,16 +652,9 @@ def test_a_lexical_stage_is_chosen_on_pairs_counted_on_add_and_checked_on_load(
     after = load_bundle(tmp_path / "b")
     assert after.lexical.bm25 == BM25.fit([*toy_pool(), "a brand new reply about zebras"], STOPWORDS_EN)
     assert after.lexical.weight == 0.5
-    work = tmp_path / "work"  # statistics of another pool, resealed: refused on load
-    shutil.copytree(tmp_path / "b", work)
-    (work / LEXICAL).write_text(json.dumps(BM25.fit(toy_pool(), STOPWORDS_EN).to_json()))
-    (work / MANIFEST).unlink()
-    finish(
-        work,
-        tmp_path / "resealed",
-        {k: v for k, v in manifest.items() if k not in ("files", "bundle_version")},
-    )
+    other_pool = json.dumps(BM25.fit(toy_pool(), STOPWORDS_EN).to_json())  # the statistics before the add
+    stale = resealed(tmp_path / "b", tmp_path, manifest, lambda work: (work / LEXICAL).write_text(other_pool))
     with pytest.raises(BundleError, match=r"lexical\.json describes 13 responses, the pool holds 14"):
-        load_bundle(tmp_path / "resealed")
+        load_bundle(stale)
     with pytest.raises(ValueError, match="--lexical: give a weight in"):
         build_bundle(tmp_path / "c", toy_pool(), onnx="none", lexical_weight=1.5, progress=False)
