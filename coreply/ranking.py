@@ -205,8 +205,8 @@ class Pipeline:
     def recall(self, queries: Sequence[Query], n: Sequence[int]) -> list[Candidates]:
         """Up to ``n[i]`` answerable candidates for each query, from one retrieval call for all (and, for
         guarded queries the guard left short, deeper calls for those: :data:`restatement.DEEPEN`). A
-        lexical stage reorders up to its ``depth`` answerable candidates of that search, then keeps
-        ``n[i]``."""
+        lexical stage reorders the first ``max(n[i], depth)`` answerable candidates of that search (its
+        depth for a served request, at most 100 candidates by default), then keeps ``n[i]``."""
         guard = self.guard is not None
         fetch = [max(m, self.lexical.depth) for m in n] if self.lexical else n
         k = max(q.depth(m) for q, m in zip(queries, fetch, strict=True))
