@@ -1,7 +1,8 @@
 """Dense retrieval reordered by BM25: does the lexical match of a candidate with the context add to the
 retriever's own order? Protocol B: the retriever's first ``--depth`` candidates per context, each also
-scored by BM25 against the context's turns (``evaluation.protocols.BM25Retriever``'s index and
-tokenisation), fused as the service fuses a reranker's scores (``zscore``: weight * z(dense) +
+scored by BM25 against the context's turns (the service's lexical stage's scorer, ``coreply.lexical``,
+over the same pool; tests hold it equal to bm25s's, which section 34 measured with), fused as the
+service fuses a reranker's scores (``zscore``: weight * z(dense) +
 (1 - weight) * z(BM25) per context). The dense stage is either a retriever (``--bi``: raw, over the full
 pool or, with ``--pool N``, every gold and a seeded sample of the rest; echoes of a context's turns
 dropped, no restatement guard or prior) or a bundle as it serves (``--bundle``: its own pool, index,
@@ -28,6 +29,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from bm25s.stopwords import STOPWORDS_EN
 from restatement_guard import words_rate
 
 from bench import provenance  # bench/bench.py: this script's directory is on sys.path
@@ -36,11 +38,11 @@ from coreply.artifacts import write_json_atomic
 from coreply.checkpoint import load_bi
 from coreply.config import ZERO_SHOT
 from coreply.corpus import load_chitchat, normalize, responses_of
+from coreply.lexical import BM25
 from coreply.ranking import Pipeline
 from coreply.responder import Responder
 from evaluation.metrics import paired_bootstrap, per_case, summarize
 from evaluation.protocols import (
-    BM25Retriever,
     DenseRetriever,
     pool_for_eval,
     ranked_ids,
@@ -81,13 +83,15 @@ def dense_stage(args: argparse.Namespace, splits: dict) -> Pipeline:
     return Pipeline(DenseRetriever(bi, pool), pool, [normalize(t) for t in pool])  # the pool encoded once
 
 
-def measure(split: str, pairs: list, dense: Pipeline, bm25: BM25Retriever, judge: RestatementJudge,
+def measure(split: str, pairs: list, dense: Pipeline, bm25: BM25, judge: RestatementJudge,
             args: argparse.Namespace) -> list[dict]:  # fmt: skip
     """One split's rows: dense alone, then dense + BM25 at each weight against it."""
     contexts = [p.context for p in pairs]
     got = retrieve_and_rerank(pairs, dense, args.depth, 0)
-    terms = bm25.tokens([" ".join(QUERIES[args.query](c)) for c in contexts])
-    lexical = [bm25.scores(q)[c.ids[: args.depth]] for c, q in zip(got.candidates, terms, strict=True)]
+    lexical = [
+        bm25.scores(" ".join(QUERIES[args.query](context)), [dense.texts[i] for i in c.ids])
+        for context, c in zip(contexts, got.candidates, strict=True)
+    ]
     got = replace(
         got, candidates=[replace(c, rerank=x) for c, x in zip(got.candidates, lexical, strict=True)]
     )
@@ -144,7 +148,7 @@ def main() -> None:
     splits = load_chitchat()
     start = time.perf_counter()
     dense = dense_stage(args, splits)
-    bm25 = BM25Retriever(dense.texts)
+    bm25 = BM25.fit(dense.texts, STOPWORDS_EN)
     judge = RestatementJudge(load_bi(ZERO_SHOT))
     print(f"pool of {len(dense.texts)} ready in {time.perf_counter() - start:.0f} s", flush=True)
     rows: list[dict] = []

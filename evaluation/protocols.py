@@ -119,15 +119,6 @@ class BM25Retriever:
         self.model.index(bm25s.tokenize(list(pool), show_progress=False), show_progress=False)
         self.size = len(pool)
 
-    def tokens(self, queries: Sequence[str]) -> list[list[str]]:
-        """Each query's terms, tokenised as the pool was."""
-        return self._bm25s.tokenize(list(queries), return_ids=False, show_progress=False)
-
-    def scores(self, terms: Sequence[str]) -> np.ndarray:
-        """[P] the BM25 score of every pool entry for one query's terms (:meth:`tokens`)."""
-        known = [t for t in terms if t in self.model.vocab_dict]
-        return self.model.get_scores(known) if known else np.zeros(self.size)
-
     def __call__(self, contexts: Sequence[Sequence[str]], k: int) -> Hits:
         tokens = self._bm25s.tokenize([" ".join(c) for c in contexts], show_progress=False)
         ids, scores = self.model.retrieve(tokens, k=min(k, self.size), show_progress=False)

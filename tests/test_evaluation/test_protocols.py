@@ -75,19 +75,6 @@ def test_bm25_finds_the_lexically_matching_response():
     assert hits.ids[0][0] == 2 and hits.scores[0][0] > hits.scores[0][1]
 
 
-def test_bm25_scores_of_the_whole_pool_agree_with_its_retrieval():
-    """``scores`` (every pool entry, for reordering another retriever's candidates) gives the scores and
-    the order that retrieval gives; a term the pool never saw scores nothing."""
-    pool = ["the cat sat", "dogs bark loudly", "sunny weather today", "the sunny cat"]
-    retrieve = BM25Retriever(pool)
-    for query in ["is the weather sunny ?", "a cat", "zebra"]:
-        hits = retrieve([[query]], len(pool))
-        scores = retrieve.scores(retrieve.tokens([query])[0])
-        assert scores.shape == (len(pool),)
-        assert np.allclose(scores[hits.ids[0]], hits.scores[0])
-    assert not retrieve.scores(retrieve.tokens(["zebra"])[0]).any()
-
-
 def test_dense_retriever_matches_brute_force_inner_product(tiny_model_dir):
     torch.manual_seed(0)
     bi = BiEncoder.from_pretrained(ModelConfig(base_model=str(tiny_model_dir))).eval()

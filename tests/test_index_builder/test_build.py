@@ -592,12 +592,14 @@ def test_a_residual_reranker_is_served_as_a_sum_behind_its_own_retriever_only(
 
 
 def test_a_lexical_stage_reorders_the_dense_candidates_as_the_bm25_bench_does(lexical_bundle, toy_pairs):
-    """The served stage against bench/hybrid_bm25.py's way: the dense pipeline's candidates, bm25s over
-    the pool, z-score fusion in evaluation's ``ranked_ids``."""
+    """The served stage against bench/hybrid_bm25.py's way: the dense pipeline's candidates, BM25 fitted
+    afresh on the pool (not the bundle's stored statistics), z-score fusion in evaluation's ``ranked_ids``."""
+    from bm25s.stopwords import STOPWORDS_EN
     from conftest import LEXICAL_WEIGHT
 
+    from coreply.lexical import BM25
     from coreply.responder import Responder
-    from evaluation.protocols import BM25Retriever, ranked_ids, retrieve_and_rerank
+    from evaluation.protocols import ranked_ids, retrieve_and_rerank
     from index_builder.info import describe
 
     bot = Responder.load(lexical_bundle, backend="torch")
@@ -611,18 +613,17 @@ def test_a_lexical_stage_reorders_the_dense_candidates_as_the_bm25_bench_does(le
     stage, bot.pipeline.lexical = bot.pipeline.lexical, None  # the dense stage alone, as the bench takes it
     pairs = [p for p in toy_pairs[::5]]
     got = retrieve_and_rerank(pairs, bot.pipeline, 8, 0)
-    bm25 = BM25Retriever(bot.bundle.texts)
-    for pair, c in zip(pairs, got.candidates, strict=True):
-        c.rerank = bm25.scores(bm25.tokens([" ".join(pair.context)])[0])[c.ids]
+    fresh = BM25.fit(bot.bundle.texts, STOPWORDS_EN)
+    full = [fresh.scores(" ".join(p.context), bot.bundle.texts) for p in pairs]  # [P] per pair
+    for c, scores in zip(got.candidates, full, strict=True):
+        c.rerank = scores[c.ids]
     expected = ranked_ids(got, "zscore", 8, LEXICAL_WEIGHT)
     bot.pipeline.lexical = stage
     reordered = 0
-    for pair, want, dense in zip(pairs, expected, got.candidates, strict=True):
+    for pair, want, dense, scores in zip(pairs, expected, got.candidates, full, strict=True):
         replies = bot.respond(list(pair.context), top_k=3, n_candidates=3, fusion="retrieval")
         assert [r.id for r in replies] == want[:3].tolist()
-        assert [r.lexical_score for r in replies] == pytest.approx(
-            [bm25.scores(bm25.tokens([" ".join(pair.context)])[0])[r.id] for r in replies], rel=1e-5
-        )
+        assert [r.lexical_score for r in replies] == pytest.approx([scores[r.id] for r in replies])
         reordered += [r.id for r in replies] != dense.ids[:3].tolist()
     assert reordered  # the stage changed some answer
 
