@@ -64,7 +64,7 @@ def main() -> None:
         path = bundle.root / "onnx" / ONNX_FILES["cross"]
         session = _session(path, args.threads, cuda=False, profile=Path(tmp) / "ort")
         for c, r in requests:
-            run = lambda batch: OnnxBackend._run(session, batch).numpy()  # noqa: E731
+            run = lambda batch: backend._run(session, batch).numpy()  # noqa: E731
             score_by_tokens(backend.cross_tokenizer, c, r, backend.max_batch_tokens, run)
         events = json.loads(Path(session.end_profiling()).read_text())
     per_op: collections.Counter[str] = collections.Counter()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
@@ -274,7 +275,15 @@ def _session(path: Path, threads: int, cuda: bool, profile: Path | None = None):
 
 
 class OnnxBackend(_Knowledge):
-    """ONNX Runtime sessions over graphs written by :func:`export_onnx`; tokenisation is the models' own."""
+    """ONNX Runtime sessions over graphs written by :func:`export_onnx`; tokenisation is the models' own.
+
+    On the CPU every row (a context, a response, a pair) runs alone, unpadded, spread over ``threads``
+    caller threads. An int8 graph quantises its activations with one scale per call, so a row run in a
+    batch comes out different with other company (top-1 changed for 10 of 64 contexts, the default
+    bundle); alone, a row's result depends on that row only, so an answer does not depend on the other
+    requests that share its micro-batch, and evaluation batches rank as the service does. It is also
+    faster here: no padding, and the rows keep both cores busy (docs/performance.md §14). On CUDA batches
+    run whole (fp32 graphs there: a row's result does not depend on its batch)."""
 
     def __init__(
         self,
@@ -299,11 +308,21 @@ class OnnxBackend(_Knowledge):
         self.cross = _session(cross_path, threads, cuda) if cross_tokenizer and cross_path.is_file() else None
         self.has_cross = self.cross is not None
         self.poly_codes = bi_tokenizer.config.poly_codes
+        self.map_rows: Any = None  # (function, rows) -> results in order; None: batches run whole
+        if "CUDAExecutionProvider" not in self.context.get_providers():
+            self.map_rows = ThreadPoolExecutor(threads, "onnx-rows").map if threads > 1 else map
 
-    @staticmethod
-    def _run(session, batch: Batch) -> torch.Tensor:
+    def _run(self, session, batch: Batch) -> torch.Tensor:
+        """The graph's outputs for a right-padded ``batch``: [N, ...], each row run alone on the CPU."""
         feeds = {i.name: getattr(batch, i.name).numpy() for i in session.get_inputs()}
-        return torch.from_numpy(session.run(None, feeds)[0])
+        if self.map_rows is None:
+            return torch.from_numpy(session.run(None, feeds)[0])
+        lengths = batch.attention_mask.sum(dim=1).tolist()
+
+        def row(i: int) -> np.ndarray:
+            return session.run(None, {name: x[i : i + 1, : lengths[i]] for name, x in feeds.items()})[0]
+
+        return torch.from_numpy(np.concatenate(list(self.map_rows(row, range(len(lengths))))))
 
     def _context_graph(self, contexts: Sequence[Sequence[str]]) -> np.ndarray:
         """[N, D], or a Poly-encoder's [N, 1 + m, D] (the pooled vector first, then the codes)."""

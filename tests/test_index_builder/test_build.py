@@ -274,6 +274,23 @@ def test_onnx_matches_torch(tmp_path, tiny_core, toy_pairs):
         assert ((got_q @ backend.encode_responses(pool).T).argmax(1) == want_top).all(), precision
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_an_int8_row_comes_out_alike_alone_and_in_any_batch(tiny_bundle, toy_pairs, threads):
+    """int8 graphs quantise their activations with one scale per call; on the CPU every row runs alone,
+    so a context's vector, a response's and a pair's score do not depend on what else shares the call
+    (another request in the same micro-batch)."""
+    backend = make_backend(load_bundle(tiny_bundle), "onnx", threads=threads)
+    contexts, pool = [p.context for p in toy_pairs[:6]], toy_pool()
+    alone = np.concatenate([backend.encode_contexts([c]) for c in contexts])
+    np.testing.assert_array_equal(backend.encode_contexts(contexts), alone)
+    alone = np.concatenate([backend.encode_responses([r]) for r in pool])
+    np.testing.assert_array_equal(backend.encode_responses(pool), alone)
+    requests = [([c] * len(pool), pool) for c in contexts[:3]]
+    alone = np.concatenate([backend.score_pairs(c, r) for c, r in requests])
+    together = backend.score_pairs([c for cs, _ in requests for c in cs], pool * len(requests))
+    np.testing.assert_array_equal(together, alone)
+
+
 def test_torch_bf16_casts_the_models_and_keeps_the_fp32_ranking(tiny_bundle, toy_pairs):
     """``torch-bf16`` runs bf16 weights on the CPU and returns float32 close to fp32's: the same top-1
     wherever fp32's own margin is wider than the rounding; an unknown backend is refused by name."""
