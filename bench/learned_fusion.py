@@ -147,7 +147,7 @@ def main() -> None:
         raise SystemExit(f"--bundle: {exc}") from None
     served = bot.pipeline
     if served.lexical is None or served.guard is None:
-        raise SystemExit("--bundle: it needs a lexical stage and a restatement guard (recipe 7)")
+        raise SystemExit("--bundle: it needs a lexical stage and a restatement guard, as the default has")
     stage, guard = served.lexical, served.guard
     open_ = copy.copy(served)
     open_.guard = open_.lexical = None  # the first stage with echoes dropped, nothing else
@@ -181,7 +181,7 @@ def main() -> None:
         guarded = [np.where(b, -np.inf, s) for s, b in zip(learned, blocked, strict=True)]
         lexical = [x[:, 0] * stage.weight + (1 - stage.weight) * x[:, 1] for x in features[name]]
         systems = {  # name: (candidates, fusion, n_r)
-            "as served (recipe 7)": (as_served, "retrieval", 10),
+            "as served": (as_served, "retrieval", 10),
             "dense, no guard": (got, "retrieval", args.depth),
             "dense + BM25, no guard": (with_scores(got, lexical), "rerank", args.depth),
             "learned, no guard": (with_scores(got, learned), "rerank", args.depth),

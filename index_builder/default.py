@@ -26,7 +26,7 @@ from typing import Any
 import coreply
 
 RECALL_QUERIES = 500
-RECIPE = "default bundle, recipe 7 (guard at 0.98, lexical stage, 7-bit per-channel int8, prior on all valid)"
+RECIPE = "default bundle, recipe 8 (recipe 7 with every text through the int8 graphs alone)"
 """Recorded as the bundle's build command; a default bundle built by another recipe is rebuilt."""
 DEFAULT_BI = Path(coreply.__file__).parent / "weights" / "default-bi"
 DEFAULT_CROSS = Path(coreply.__file__).parent / "weights" / "default-cross"
