@@ -10,8 +10,8 @@ BM25 here is Lucene's variant as ``bm25s`` scores it (``bench/hybrid_bm25.py`` m
 query's terms (repeats counted), of ``idf * tf / (tf + k1 * (1 - b + b * length / mean length))``.
 
 Its statistics (document frequencies, pool size and length, stopwords, parameters) are a bundle's
-``lexical.json``; candidates' term counts are computed from their texts per request (a hundred short
-texts: about a millisecond on a 2-vCPU host, docs/performance.md §13).
+``lexical.json``; the pool's term counts are counted once, when a pipeline is made
+(:class:`TermIndex`), so a request tokenises only its query.
 """
 
 from __future__ import annotations
@@ -74,6 +74,36 @@ class BM25:
                 out[i] += weights[term] * idf[term] * tf / (tf + norm)
         return out
 
+    def index(self, texts: Sequence[str]) -> TermIndex:
+        """The term counts of ``texts`` (a pool, row i = id i), for :meth:`scores_at`."""
+        vocab: dict[str, int] = {}
+        starts, terms, counts, lengths = [0], [], [], []
+        for text in texts:
+            words = self.terms(text)
+            tf = Counter(words)  # first occurrences first, as :meth:`scores` sums them
+            terms += [vocab.setdefault(t, len(vocab)) for t in tf]
+            counts += tf.values()
+            starts.append(len(terms))
+            lengths.append(len(words))
+        columns = (np.array(x, dtype=np.int32) for x in (terms, counts, lengths))
+        return TermIndex(vocab, np.array(starts, dtype=np.int64), *columns)
+
+    def scores_at(self, query: str, index: TermIndex, ids: np.ndarray) -> np.ndarray:
+        """[n] :meth:`scores` of the pool responses ``ids`` [n] (bit for bit), from their ``index``."""
+        ids = np.asarray(ids, dtype=np.int64)
+        mean = self.length / max(self.docs, 1) or 1.0  # (a pool without terms has nothing to score)
+        weights = np.zeros(len(index.vocab))  # per term id: its count in the query times its idf
+        for term, count in Counter(self.terms(query)).items():
+            if (d := self.df.get(term)) and term in index.vocab:
+                weights[index.vocab[term]] = count * math.log(1 + (self.docs - d + 0.5) / (d + 0.5))
+        lo, size = index.starts[ids], index.starts[ids + 1] - index.starts[ids]  # [n] each one's run of terms
+        row = np.repeat(np.arange(len(ids)), size)  # [m] the candidate of each term entry
+        at = np.arange(len(row)) + np.repeat(lo - (np.cumsum(size) - size), size)  # [m] where it is
+        w, tf = weights[index.terms[at]], index.counts[at]  # [m] x2
+        norm = self.k1 * (1 - self.b + self.b * index.lengths[ids] / mean)  # [n]
+        hit = w > 0
+        return np.bincount(row[hit], w[hit] * tf[hit] / (tf[hit] + norm[row[hit]]), minlength=len(ids))
+
     def to_json(self) -> dict[str, Any]:
         return {
             "format": FORMAT,
@@ -105,6 +135,18 @@ class BM25:
 
 
 @dataclass(frozen=True)
+class TermIndex:
+    """A pool's term counts by response id, compressed rows: response i's terms are
+    ``terms[starts[i]:starts[i + 1]]`` (ids into ``vocab``), each counted ``counts`` times."""
+
+    vocab: dict[str, int]
+    starts: np.ndarray  # [N + 1] int64
+    terms: np.ndarray  # [nnz] int32
+    counts: np.ndarray  # [nnz] int32
+    lengths: np.ndarray  # [N] int32, terms in each response (stopwords out)
+
+
+@dataclass(frozen=True)
 class Stage:
     """The lexical stage of a pipeline: ``bm25`` statistics of its pool, the weight of the dense score in
     the fusion, the candidates it reorders and the context turns its query reads."""
@@ -114,6 +156,10 @@ class Stage:
     depth: int = DEPTH
     turns: int = TURNS
 
+    def query(self, context: Sequence[str]) -> str:
+        """The words the stage searches with: the last :attr:`turns` turns of ``context``."""
+        return " ".join(context[-self.turns :])
+
     def scores(self, context: Sequence[str], texts: Sequence[str]) -> np.ndarray:
-        """[n] BM25 scores of ``texts`` for the last :attr:`turns` turns of ``context``."""
-        return self.bm25.scores(" ".join(context[-self.turns :]), texts)
+        """[n] BM25 scores of ``texts`` for ``context``."""
+        return self.bm25.scores(self.query(context), texts)

@@ -188,6 +188,7 @@ class Pipeline:
         self.score_pairs, self.weight = score_pairs, weight
         self.select_knowledge, self.reads_knowledge = select_knowledge, reads_knowledge
         self.guard, self.lexical = guard, lexical
+        self._terms = lexical.bm25.index(texts) if lexical else None  # the pool's term counts, once
         if poly and score_pairs is None and not hasattr(retrieve, "vectors"):
             raise ValueError("the poly stage needs a Poly-encoder retriever (with cached response vectors)")
         if guard is not None and not (hasattr(retrieve, "vectors") and hasattr(retrieve, "encode_responses")):
@@ -240,9 +241,9 @@ class Pipeline:
     def _reorder(self, query: Query, c: Candidates, n: int) -> Candidates:
         """The lexical stage on one query's candidates: BM25 scores of their texts against its context,
         z-score fused with their dense scores; the best ``n`` of that order."""
-        stage = self.lexical
-        assert stage is not None
-        bm25 = stage.scores(query.context, [self.texts[i] for i in c.ids])  # [n']
+        stage, terms = self.lexical, self._terms
+        assert stage is not None and terms is not None
+        bm25 = stage.bm25.scores_at(stage.query(query.context), terms, c.ids)  # [n']
         fused = fuse("zscore", c.retrieval, bm25, stage.weight) if len(bm25) else bm25
         best = np.argsort(-fused, kind="stable")[:n]
         return replace(

@@ -40,6 +40,18 @@ def test_scores_are_those_of_bm25s_over_the_whole_pool():
     assert mine.scores(QUERIES[0], POOL)[0] > mine.scores(QUERIES[0], POOL)[4] > 0  # both hike, one twice
 
 
+def test_the_pool_index_scores_candidates_by_id_bit_for_bit_as_their_texts_do():
+    """A request scores its candidates from the pool's term counts, counted once: the same floats as
+    tokenising their texts, in any order and subset (a repeated id too), and none for no candidates."""
+    bm25 = BM25.fit(POOL, STOPWORDS_EN)
+    index = bm25.index(POOL)
+    for ids in (np.arange(len(POOL)), np.array([7, 0, 3, 3, 2]), np.array([], dtype=int)):
+        for query in QUERIES:
+            want = bm25.scores(query, [POOL[i] for i in ids])
+            np.testing.assert_array_equal(bm25.scores_at(query, index, ids), want)
+    assert bm25.scores_at(QUERIES[0], index, np.arange(len(POOL)))[0] > 0
+
+
 def test_adding_responses_counts_them_as_fitting_all_of_them_would():
     assert BM25.fit(POOL[:3], STOPWORDS_EN).add(POOL[3:]) == BM25.fit(POOL, STOPWORDS_EN)
     assert BM25.from_json(BM25.fit(POOL, STOPWORDS_EN).to_json()) == BM25.fit(POOL, STOPWORDS_EN)
