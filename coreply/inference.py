@@ -322,7 +322,8 @@ class OnnxBackend(_Knowledge):
         def row(i: int) -> np.ndarray:
             return session.run(None, {name: x[i : i + 1, : lengths[i]] for name, x in feeds.items()})[0]
 
-        return torch.from_numpy(np.concatenate(list(self.map_rows(row, range(len(lengths))))))
+        rows = map if len(lengths) == 1 else self.map_rows  # one row: no hand-over to a worker
+        return torch.from_numpy(np.concatenate(list(rows(row, range(len(lengths))))))
 
     def _context_graph(self, contexts: Sequence[Sequence[str]]) -> np.ndarray:
         """[N, D], or a Poly-encoder's [N, 1 + m, D] (the pooled vector first, then the codes)."""
