@@ -188,7 +188,6 @@ class Pipeline:
         self.score_pairs, self.weight = score_pairs, weight
         self.select_knowledge, self.reads_knowledge = select_knowledge, reads_knowledge
         self.guard, self.lexical = guard, lexical
-        self._terms = lexical.bm25.index(texts) if lexical else None  # the pool's term counts, once
         if poly and score_pairs is None and not hasattr(retrieve, "vectors"):
             raise ValueError("the poly stage needs a Poly-encoder retriever (with cached response vectors)")
         if guard is not None and not (hasattr(retrieve, "vectors") and hasattr(retrieve, "encode_responses")):
@@ -202,6 +201,16 @@ class Pipeline:
         self.timings: dict[str, float] = {}
         """Seconds per stage of the last :meth:`recall`: the retriever's (``encode``, ``search``, summed
         over its calls: a guarded recall may search again deeper) and ``lexical``."""
+
+    @property
+    def lexical(self) -> LexicalStage | None:
+        return self._lexical
+
+    @lexical.setter
+    def lexical(self, stage: LexicalStage | None) -> None:
+        """Set (or drop) the lexical stage; the pool's term counts are counted here, once."""
+        self._lexical = stage
+        self._terms = stage.bm25.index(self.texts) if stage else None
 
     def recall(self, queries: Sequence[Query], n: Sequence[int]) -> list[Candidates]:
         """Up to ``n[i]`` answerable candidates for each query, from one retrieval call for all (and, for

@@ -664,8 +664,10 @@ def test_a_lexical_stage_is_chosen_on_pairs_counted_on_add_and_checked_on_load(
     none = build_bundle(tmp_path / "toy", toy_pool(), bi=str(tiny_core / "bi"), onnx="none",
                         lexical_pairs=toy_pairs[:24], progress=False)  # fmt: skip
     assert "lexical" not in none and not (tmp_path / "toy" / LEXICAL).exists()  # trained on them: no gain
-    build_bundle(tmp_path / "b", toy_pool(), bi=str(tiny_core / "bi"), onnx="none", lexical_weight=0.5,
-                 progress=False)  # fmt: skip
+    models = {"bi": str(tiny_core / "bi"), "cross": str(tiny_core / "cross")}
+    reranked = build_bundle(tmp_path / "b", toy_pool(), **models, onnx="none", lexical_weight=0.5,
+                            calibration=toy_pairs[:8], progress=False)  # fmt: skip
+    assert "zscore_weight" in reranked["fusion"]  # calibrated through the lexical stage, reranked after it
     manifest = add_responses(tmp_path / "b", ["a brand new reply about zebras", "hello"], False)
     after = load_bundle(tmp_path / "b")
     assert after.lexical.bm25 == BM25.fit([*toy_pool(), "a brand new reply about zebras"], STOPWORDS_EN)
