@@ -136,7 +136,7 @@ def main() -> None:
     p.add_argument("--l2", type=float, default=1e-3, help="weight decay of the scorer")
     p.add_argument("--out", type=Path, required=True, help="JSON file to write")
     args = p.parse_args()
-    for flag, least in (("train", 100), ("limit", 1), ("depth", 10)):
+    for flag, least in (("train", 100), ("limit", 1), ("depth", 10), ("l2", 0)):
         if (value := getattr(args, flag)) < least:
             raise SystemExit(f"--{flag}: give at least {least}, got {value}")
     if not args.out.parent.is_dir():

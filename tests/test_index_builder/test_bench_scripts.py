@@ -65,6 +65,7 @@ def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):
         ("hybrid_bm25.py", ["--bundle", str(tiny_bundle), "--pool", "80", "--out", str(other)], "--pool: "),
         ("learned_fusion.py", ["--bundle", str(tiny_bundle), "--out", str(other)], "--bundle: "),
         ("learned_fusion.py", ["--train", "5", "--out", str(other)], "--train: "),
+        ("learned_fusion.py", ["--l2", "-1", "--out", str(other)], "--l2: "),
         ("batch_effect.py", ["--bundle", str(tmp_path)], "--bundle: "),
         (
             "retriever_sum.py",
