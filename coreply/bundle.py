@@ -31,7 +31,9 @@ import contextlib
 import json
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -263,11 +265,13 @@ class TorchExactIndex:
     (any float dtype; scores come back as float32). Same ``search`` / ``ntotal`` / ``reconstruct_batch``
     contract as a FAISS index (:meth:`of` copies one). On a GPU host it keeps the search off the host CPU;
     on a CPU it gains from batching where FAISS's flat search does not (docs/performance.md section 9:
-    one thread, 124,141 x 384, a batch of 64 queries 1.0 ms a query against FAISS's 14)."""
+    one thread, 124,141 x 384, a batch of 64 queries 1.0 ms a query against FAISS's 14), and its float32
+    matmul goes through numpy's BLAS (:meth:`_scores`)."""
 
     def __init__(self, vectors: Any) -> None:
         self.vectors = vectors  # torch.Tensor [N, D]
         self.ntotal = len(vectors)
+        self._helpers = ThreadPoolExecutor(thread_name_prefix="exact-search")  # started as a search needs
 
     @classmethod
     def of(cls, index: Any, device: str) -> TorchExactIndex:
@@ -291,10 +295,35 @@ class TorchExactIndex:
         with torch.inference_mode():
             q = torch.as_tensor(queries).to(self.vectors.device, self.vectors.dtype)
             for block in q.split(SEARCH_BLOCK):
-                top = torch.topk(block @ self.vectors.T, min(k, self.ntotal), dim=1)  # [B, k] x2
+                top = torch.topk(self._scores(block), min(k, self.ntotal), dim=1)  # [B, k] x2
                 scores.append(top.values.float().cpu().numpy())
                 ids.append(top.indices.cpu().numpy())
         return np.concatenate(scores), np.concatenate(ids)
+
+    def _scores(self, queries: Any) -> Any:
+        """queries [B, D] -> scores [B, N]. In float32 on a CPU, numpy's BLAS on one thread scores a slice
+        of the pool on each of torch's intra-op threads (:func:`coreply.device.set_threads`): on this AMD
+        host about twice as fast as the MKL matmul torch calls, and unlike OpenBLAS's own threads these
+        sleep when idle instead of spinning on the cores the next stage needs (docs/performance.md
+        section 15). A lone query's scores (a matrix-vector product) may differ from the same query's in
+        a batch in the last bits, as they did with torch's matmul."""
+        import torch
+
+        if self.vectors.device.type != "cpu" or self.vectors.dtype != torch.float32:
+            return queries @ self.vectors.T
+        q, pool = queries.numpy(), self.vectors.numpy()  # [B, D], [N, D]
+        out = np.empty((len(q), len(pool)), dtype="float32")  # [B, N]
+
+        def score(rows: slice) -> None:
+            np.matmul(q, pool[rows].T, out=out[:, rows])
+
+        cuts = np.linspace(0, len(pool), min(torch.get_num_threads(), len(pool)) + 1).astype(int)
+        slices = [slice(a, b) for a, b in pairwise(cuts)]
+        helpers = [self._helpers.submit(score, rows) for rows in slices[1:]]
+        score(slices[0])
+        for done in helpers:
+            done.result()
+        return torch.from_numpy(out)
 
 
 def searcher(index: Any, factory: str, device: str) -> Any:
@@ -312,9 +341,8 @@ def make_backend(bundle: Bundle, backend: str = "auto", threads: int = 1, device
     """The bundle's models behind :class:`coreply.inference.Backend`: ``onnx`` (needs ``onnx/`` in the
     bundle), ``torch``, ``torch-bf16`` (on a CPU the weights cast to bf16), or ``auto`` (ONNX when
     exported, else PyTorch)."""
-    import torch
-
     from coreply.checkpoint import load_checkpoint, load_dialogue_tokenizer
+    from coreply.device import set_threads
     from coreply.inference import OnnxBackend, TorchBackend
 
     if backend not in BACKENDS:
@@ -322,7 +350,7 @@ def make_backend(bundle: Bundle, backend: str = "auto", threads: int = 1, device
     has_onnx = bundle.manifest.get("onnx") is not None
     if backend == "onnx" and not has_onnx:
         raise BundleError(f"{bundle.root}: has no ONNX export (built with --onnx none); use --backend torch")
-    torch.set_num_threads(threads)
+    set_threads(threads)
     if backend.startswith("torch") or not has_onnx:
         bi = load_checkpoint(bundle.model_dir("bi"), device, expect="bi")
         cross = (

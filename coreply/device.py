@@ -35,6 +35,16 @@ def resolve_device(preference: str = "auto") -> torch.device:
     return device
 
 
+def set_threads(threads: int) -> None:
+    """This process's compute threads: torch's intra-op pool. numpy's BLAS is held to one thread (a CPU's
+    exact search spreads its matmul over threads of its own): OpenBLAS starts one per core, and its idle
+    threads spin on the cores the next stage needs (docs/performance.md section 15)."""
+    from threadpoolctl import threadpool_limits
+
+    torch.set_num_threads(threads)
+    threadpool_limits(1, user_api="blas")
+
+
 def autocast(device: torch.device):
     """bf16 autocast on CUDA, a no-op (fp32) on CPU."""
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")

@@ -328,7 +328,7 @@ with open(chitchat_dataset._PATH, 'rb') as src, lzma.open('.lease/dataset.json.x
 import importlib.metadata as m
 names = ('faiss-cpu fastapi starlette uvicorn pydantic pydantic-core annotated-types typing-inspection '
          'pydantic-settings python-dotenv swagger-ui-bundle-v2 opentelemetry-api typing-extensions annotated-doc '
-         'bm25s')  # bm25s: the index builder's stopwords for the lexical stage
+         'bm25s threadpoolctl')  # bm25s: the lexical stage's stopwords; threadpoolctl: numpy's BLAS threads
 print(' '.join(f'{n}=={m.version(n)}' for n in names.split()))")
     # shellcheck disable=SC2086
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from coreply.bundle import Bundle, make_backend, pipeline
-from coreply.device import resolve_device
+from coreply.device import resolve_device, set_threads
 from coreply.inference import Backend
 from coreply.ranking import Candidates, Query, order
 from coreply.responder import replies
@@ -221,7 +221,5 @@ def fastest_backend(bundle: Bundle, settings: Settings, device: str) -> tuple[Ba
             runs.append(time.perf_counter() - t)
         timed.append((float(np.median(runs[1:])), threads, backend))
     _, threads, backend = min(timed, key=lambda t: t[0])
-    import torch
-
-    torch.set_num_threads(threads)  # process-wide, and make_backend set it for the last candidate tried
+    set_threads(threads)  # process-wide, and make_backend set it for the last candidate tried
     return backend, threads

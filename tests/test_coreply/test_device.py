@@ -1,10 +1,12 @@
-"""coreply.device: device names, and one-off work on a thread of its own."""
+"""coreply.device: device names, thread counts, and one-off work on a thread of its own."""
 
 import threading
 
 import pytest
+import torch
+from threadpoolctl import threadpool_info
 
-from coreply.device import check_device_name, on_own_thread
+from coreply.device import check_device_name, on_own_thread, set_threads
 
 
 def test_device_names_are_checked_without_looking_at_the_host():
@@ -30,3 +32,14 @@ def test_one_off_work_runs_on_a_thread_that_ends_with_it():
 
     with pytest.raises(KeyError, match="the caller sees it"):
         on_own_thread(fails)
+
+
+def test_set_threads_sets_torchs_threads_and_holds_numpys_blas_to_one():
+    before = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            set_threads(n)
+            blas = [pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas"]
+            assert torch.get_num_threads() == n and blas and set(blas) == {1}
+    finally:
+        set_threads(before)

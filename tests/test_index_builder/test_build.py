@@ -425,6 +425,15 @@ def test_torch_exact_search_returns_what_faiss_flat_returns():
     many = np.repeat(queries, 100, axis=0)  # 700 queries: three blocks
     _, many_ids = TorchExactIndex.of(index, "cpu").search(many, 10)
     np.testing.assert_array_equal(many_ids, np.repeat(want_ids, 100, axis=0))
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 3):  # the pool scored in n slices, each query alone too
+            torch.set_num_threads(n)
+            np.testing.assert_array_equal(TorchExactIndex.of(index, "cpu").search(queries, 10)[1], want_ids)
+            alone = [TorchExactIndex.of(index, "cpu").search(q[None], 10)[1][0] for q in queries]
+            np.testing.assert_array_equal(np.stack(alone), want_ids)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_search_moves_only_exact_indexes(tiny_bundle):
