@@ -302,8 +302,8 @@ class TorchExactIndex:
 
     def _scores(self, queries: Any) -> Any:
         """queries [B, D] -> scores [B, N]. In float32 on a CPU, numpy's BLAS on one thread scores a slice
-        of the pool on each of torch's intra-op threads (:func:`coreply.device.set_threads`): on this AMD
-        host about twice as fast as the MKL matmul torch calls, and unlike OpenBLAS's own threads these
+        of the pool on each of torch's intra-op threads (:func:`coreply.device.set_threads`): on an AMD
+        EPYC about twice as fast as the MKL matmul torch calls, and unlike OpenBLAS's own threads these
         sleep when idle instead of spinning on the cores the next stage needs (docs/performance.md
         section 15). A lone query's scores (a matrix-vector product) may differ from the same query's in
         a batch in the last bits, as they did with torch's matmul."""
