@@ -18,6 +18,7 @@ from typing import Any
 
 from coreply.config import ZERO_SHOT, ModelConfig
 from coreply.lexical import DEPTH as LEXICAL_DEPTH
+from coreply.lexical import PAIRS as LEXICAL_PAIRS
 from coreply.restatement import DEFAULT_QUANTILE, check_quantile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -29,8 +30,6 @@ class CliError(Exception):
     """A user error: printed as one line, exit code 2."""
 
 
-LEXICAL_PAIRS = 2000
-"""--queries pairs that choose the lexical stage's weight (--lexical auto)."""
 DEFAULTS_SHOWN = {"formatter_class": argparse.ArgumentDefaultsHelpFormatter}
 
 

@@ -31,6 +31,8 @@ DEPTH = 100
 """Dense candidates the stage reorders (as measured in docs/results.md §34)."""
 TURNS = 5
 """Context turns whose words make the query: the evaluation's contexts hold at most five."""
+PAIRS = 2000
+"""Held-out pairs on which a builder chooses the stage's weight (``coreply index build --lexical auto``)."""
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import coreply
+from coreply import lexical
 
 RECALL_QUERIES = 500
 RECIPE = "default bundle, recipe 8 (recipe 7 with every text through the int8 graphs alone)"
@@ -32,7 +33,6 @@ DEFAULT_BI = Path(coreply.__file__).parent / "weights" / "default-bi"
 DEFAULT_CROSS = Path(coreply.__file__).parent / "weights" / "default-cross"
 CALIBRATION_PAIRS = 500
 GUARD_QUANTILE = 0.98
-LEXICAL_PAIRS = 2000
 
 
 def shipped_cross() -> Path | None:
@@ -60,7 +60,7 @@ def build_default_bundle(out: str | Path, progress: bool = True) -> dict[str, An
         guard_pairs=splits["valid"],
         guard_quantile=GUARD_QUANTILE,
         prior_pairs=splits["train"],
-        lexical_pairs=splits["valid"][:LEXICAL_PAIRS],
+        lexical_pairs=splits["valid"][: lexical.PAIRS],
     )
 
 
