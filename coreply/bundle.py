@@ -317,7 +317,7 @@ class TorchExactIndex:
         def score(rows: slice) -> None:
             np.matmul(q, pool[rows].T, out=out[:, rows])
 
-        cuts = np.linspace(0, len(pool), min(torch.get_num_threads(), len(pool)) + 1).astype(int)
+        cuts = np.linspace(0, len(pool), max(1, min(torch.get_num_threads(), len(pool))) + 1).astype(int)
         slices = [slice(a, b) for a, b in pairwise(cuts)]
         helpers = [self._helpers.submit(score, rows) for rows in slices[1:]]
         score(slices[0])

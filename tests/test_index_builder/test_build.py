@@ -434,6 +434,7 @@ def test_torch_exact_search_returns_what_faiss_flat_returns():
             np.testing.assert_array_equal(np.stack(alone), want_ids)
     finally:
         torch.set_num_threads(threads)
+    assert TorchExactIndex(torch.zeros(0, 16)).search(queries, 10)[1].shape == (7, 0)  # no pool, no slices
 
 
 def test_search_moves_only_exact_indexes(tiny_bundle):
