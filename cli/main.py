@@ -308,7 +308,7 @@ def _cmd_pretrain(args: argparse.Namespace) -> int:
 
 
 def _ground_parser(sub) -> None:
-    from training.reciprocal import SELECTIONS, GroundedConfig
+    from training.config import SELECTIONS, GroundedConfig
 
     d = GroundedConfig()
     p = sub.add_parser("ground", help="knowledge-grounded ranking: train (RecKGC and baselines), evaluate")
@@ -409,7 +409,8 @@ def _cmd_ground(args: argparse.Namespace) -> int:
 
     if args.ground_command == "eval":
         return _ground_eval(args)
-    from training.reciprocal import GroundedConfig, train_grounded
+    from training.config import GroundedConfig
+    from training.reciprocal import train_grounded
 
     model = replace(_model_config(args), max_knowledge_tokens=args.max_knowledge_tokens)
     keys = (

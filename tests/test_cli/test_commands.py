@@ -15,6 +15,17 @@ def coreply(*args: str, cwd=None) -> subprocess.CompletedProcess:
     )
 
 
+def test_help_loads_no_model_library():
+    """``coreply --help`` and every subcommand's parser stay instant: none imports torch (it took 7 s when
+    the ``ground`` parser imported the training module for its defaults)."""
+    probe = (
+        "import sys; from cli.main import build_parser; build_parser(); "
+        "print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    )
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert loaded.returncode == 0 and loaded.stdout.strip() == "[]", loaded.stdout + loaded.stderr
+
+
 @pytest.fixture(scope="module")
 def data_file(tmp_path_factory, toy_pairs):
     path = tmp_path_factory.mktemp("data") / "toy.jsonl"
