@@ -40,6 +40,18 @@ def test_serve_profile_times_the_lexical_stage_and_answers_without_it(tmp_path, 
         assert result["lexical"] is on and (result["rows"][0]["ms_per_batch"]["lexical"] > 0) is on
 
 
+def test_search_kernels_time_each_way_and_check_the_ranking(tmp_path, tiny_bundle):
+    out = tmp_path / "kernels.json"
+    bench("search_kernels.py", "--pool", "300", "--dim", "16", "--batch", "1", "3", "--k", "10",
+          "--rounds", "2", "--out", str(out))  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["pool"] == [300, 16] and [r["batch"] for r in result["rows"]] == [1, 3]
+    for row in result["rows"]:
+        assert row["torch"]["exact_top_k"] == row["served"]["exact_top_k"] == 1.0
+        assert all(row[name]["ms"] > 0 for name in ("torch", "served", "torch-fp16"))
+    bench("search_kernels.py", "--bundle", str(tiny_bundle), "--batch", "2", "--rounds", "1")
+
+
 def test_rerank_ops_profiles_the_onnx_reranker(tiny_bundle):
     run = bench(
         "rerank_ops.py", "--bundle", str(tiny_bundle), "--n-r", "3", "--requests", "4", "--rounds", "1"
@@ -67,6 +79,9 @@ def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):
         ("learned_fusion.py", ["--train", "5", "--out", str(other)], "--train: "),
         ("learned_fusion.py", ["--l2", "-1", "--out", str(other)], "--l2: "),
         ("batch_effect.py", ["--bundle", str(tmp_path)], "--bundle: "),
+        ("search_kernels.py", ["--bundle", str(tmp_path)], "--bundle: "),
+        ("search_kernels.py", ["--rounds", "0"], "--rounds "),
+        ("search_kernels.py", ["--batch", "1", "0"], "--batch: "),
         (
             "retriever_sum.py",
             ["--bi", str(tmp_path), str(tiny_core), "--out", str(tmp_path / "no/x.json")],
