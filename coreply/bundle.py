@@ -327,8 +327,8 @@ class TorchExactIndex:
 
 
 def searcher(index: Any, factory: str, device: str) -> Any:
-    """What searches ``index`` (built by the FAISS ``factory``): an exact one as one torch matmul on
-    ``device`` (the CPU included), an approximate one (IVF, HNSW, ...) itself, in FAISS on the CPU."""
+    """What searches ``index`` (built by the FAISS ``factory``): an exact one as a :class:`TorchExactIndex`
+    on ``device`` (the CPU included), an approximate one (IVF, HNSW, ...) itself, in FAISS on the CPU."""
     return TorchExactIndex.of(index, device) if factory == "Flat" else index
 
 
