@@ -259,19 +259,39 @@ def read_knowledge(root: Path) -> list[str]:
 SEARCH_BLOCK = 256
 """Queries an exact torch search scores at once: a [256, N] float32 block (127 MB for the default pool)."""
 
+COARSE_QUERIES = 4
+"""Blocks of at most this many queries search a CPU's float32 pool in two passes
+(:meth:`TorchExactIndex._two_pass`); larger ones score the whole pool in float32, where the fp16 pass
+stops paying (docs/performance.md section 16: 4 queries 13.5 ms in fp16 against 25 in float32, 8 level)."""
+
+COARSE_ERROR = 2.0**-8
+"""What the fp16 pass may get wrong, at most, in a score between a unit query and a pool vector scaled to
+norm at most 1: rounding both to fp16 (2^-11 each), the fp16 score (2^-12) and float32 accumulation add up
+to 1.3e-3; this leaves three times that."""
+
 
 class TorchExactIndex:
     """Exact inner-product search as one matmul and a top-k on a torch device, over ``vectors`` [N, D]
     (any float dtype; scores come back as float32). Same ``search`` / ``ntotal`` / ``reconstruct_batch``
     contract as a FAISS index (:meth:`of` copies one). On a GPU host it keeps the search off the host CPU;
     on a CPU it gains from batching where FAISS's flat search does not (docs/performance.md section 9:
-    one thread, 124,141 x 384, a batch of 64 queries 1.0 ms a query against FAISS's 14), and its float32
-    matmul goes through numpy's BLAS (:meth:`_scores`)."""
+    one thread, 124,141 x 384, a batch of 64 queries 1.0 ms a query against FAISS's 14), its float32
+    matmul goes through numpy's BLAS (:meth:`_scores`), and a few queries are searched in two passes,
+    fp16 then float32 (:meth:`_two_pass`)."""
 
-    def __init__(self, vectors: Any) -> None:
+    def __init__(self, vectors: Any, two_pass: bool = True) -> None:
+        """``two_pass``: search small blocks of queries on a CPU in two passes (:meth:`_two_pass`);
+        False: always one float32 pass (``bench/search_kernels.py`` compares the two)."""
+        import torch
+
         self.vectors = vectors  # torch.Tensor [N, D]
         self.ntotal = len(vectors)
         self._helpers = ThreadPoolExecutor(thread_name_prefix="exact-search")  # started as a search needs
+        self._half: Any = None  # [N, D] fp16: the pool over its largest norm (_scale), for the first pass
+        self._scale = float(vectors.norm(dim=1).max()) if len(vectors) else 0.0
+        cpu_fp32 = vectors.device.type == "cpu" and vectors.dtype == torch.float32
+        if two_pass and cpu_fp32 and 0 < self._scale < float("inf"):
+            self._half = (vectors / self._scale).half()
 
     @classmethod
     def of(cls, index: Any, device: str) -> TorchExactIndex:
@@ -294,11 +314,43 @@ class TorchExactIndex:
         scores, ids = [], []
         with torch.inference_mode():
             q = torch.as_tensor(queries).to(self.vectors.device, self.vectors.dtype)
+            k = min(k, self.ntotal)
             for block in q.split(SEARCH_BLOCK):
-                top = torch.topk(self._scores(block), min(k, self.ntotal), dim=1)  # [B, k] x2
-                scores.append(top.values.float().cpu().numpy())
-                ids.append(top.indices.cpu().numpy())
+                if self._half is not None and len(block) <= COARSE_QUERIES and 2 * k + 64 < self.ntotal:
+                    values, indices = self._two_pass(block, k)
+                else:
+                    values, indices = torch.topk(self._scores(block), k, dim=1)  # [B, k] x2
+                scores.append(values.float().cpu().numpy())
+                ids.append(indices.cpu().numpy())
         return np.concatenate(scores), np.concatenate(ids)
+
+    def _two_pass(self, queries: Any, k: int) -> tuple[Any, Any]:
+        """queries [B, D] -> their exact top k, (scores [B, k], ids [B, k]), in two passes: the
+        2k + 64 best by an fp16 copy of the pool (half the bytes to read: a lone query is memory-bound),
+        re-scored in float32. The top k of those is the exact one when its last score beats, by more
+        than :data:`COARSE_ERROR`, the best any vector outside them can reach; a query where it does
+        not is searched again in float32 alone. Same results as one float32 pass (ties may come in
+        another order, as they may from one top-k to the next), about three times faster for a lone
+        query on this AMD host (docs/performance.md section 16)."""
+        import torch
+
+        norms = queries.norm(dim=1, keepdim=True)  # [B, 1]
+        coarse = torch.topk((queries / norms).half() @ self._half.T, 2 * k + 64, dim=1)  # [B, 2k+64] x2
+        # A vector outside the candidates scores at most (the last candidate's + COARSE_ERROR), scaled back.
+        reach = (coarse.values[:, -1].float() + COARSE_ERROR) * norms[:, 0] * self._scale  # [B]
+        pool = self.vectors.numpy()
+        values, indices = [], []
+        for row, query in enumerate(queries.numpy()):
+            candidates = coarse.indices[row]  # [2k+64]
+            top = torch.topk(torch.from_numpy(pool[candidates.numpy()] @ query), k)  # [k] x2
+            if top.values[-1] > reach[row]:
+                values.append(top.values)
+                indices.append(candidates[top.indices])
+            else:  # not certain (or NaN): the whole pool in float32
+                top = torch.topk(self._scores(queries[row : row + 1])[0], k)
+                values.append(top.values)
+                indices.append(top.indices)
+        return torch.stack(values), torch.stack(indices)
 
     def _scores(self, queries: Any) -> Any:
         """queries [B, D] -> scores [B, N]. In float32 on a CPU, numpy's BLAS on one thread scores a slice

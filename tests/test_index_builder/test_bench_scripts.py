@@ -47,8 +47,9 @@ def test_search_kernels_time_each_way_and_check_the_ranking(tmp_path, tiny_bundl
     result = json.loads(out.read_text())
     assert result["pool"] == [300, 16] and [r["batch"] for r in result["rows"]] == [1, 3]
     for row in result["rows"]:
-        assert row["torch"]["exact_top_k"] == row["served"]["exact_top_k"] == 1.0
-        assert all(row[name]["ms"] > 0 for name in ("torch", "served", "torch-fp16"))
+        assert row["torch"]["exact_top_k"] == row["float32-slices"]["exact_top_k"] == 1.0
+        assert row["served"]["exact_top_k"] == 1.0
+        assert all(row[name]["ms"] > 0 for name in ("torch", "float32-slices", "served", "torch-fp16"))
     bench("search_kernels.py", "--bundle", str(tiny_bundle), "--batch", "2", "--rounds", "1")
 
 

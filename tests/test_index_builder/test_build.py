@@ -13,6 +13,7 @@ from tiny import WORDS
 
 from coreply.artifacts import content_hash, hash_tree, write_json_atomic
 from coreply.bundle import (
+    COARSE_QUERIES,
     MANIFEST,
     BundleError,
     TorchExactIndex,
@@ -406,13 +407,17 @@ def test_recall_vs_exact_measures_misses():
         apply_search_params(ivf, "efSearch=10")
 
 
-def flat_index_and_queries(n: int = 500, dim: int = 16):
+def faiss_flat(vectors: np.ndarray):
     import faiss
 
+    index = faiss.IndexFlatIP(vectors.shape[1])
+    index.add(np.ascontiguousarray(vectors, dtype="float32"))
+    return index
+
+
+def flat_index_and_queries(n: int = 500, dim: int = 16):
     rng = np.random.default_rng(0)
-    index = faiss.IndexFlatIP(dim)
-    index.add(rng.standard_normal((n, dim)).astype("float32"))
-    return index, rng.standard_normal((7, dim)).astype("float32")
+    return faiss_flat(rng.standard_normal((n, dim))), rng.standard_normal((7, dim)).astype("float32")
 
 
 def test_torch_exact_search_returns_what_faiss_flat_returns():
@@ -435,6 +440,31 @@ def test_torch_exact_search_returns_what_faiss_flat_returns():
     finally:
         torch.set_num_threads(threads)
     assert TorchExactIndex(torch.zeros(0, 16)).search(queries, 10)[1].shape == (7, 0)  # no pool, no slices
+
+
+def test_two_pass_search_is_exact_and_searches_again_when_fp16_cannot_tell(monkeypatch):
+    index, queries = flat_index_and_queries()
+    searcher = TorchExactIndex.of(index, "cpu")
+    full_passes = []
+    scores = searcher._scores
+    monkeypatch.setattr(searcher, "_scores", lambda block: full_passes.append(len(block)) or scores(block))
+    want_scores, want_ids = index.search(queries[:COARSE_QUERIES], 10)
+    got_scores, got_ids = searcher.search(queries[:COARSE_QUERIES], 10)
+    np.testing.assert_array_equal(got_ids, want_ids)
+    np.testing.assert_allclose(got_scores, want_scores, rtol=1e-5, atol=1e-5)
+    assert full_passes == []  # all certain from the fp16 pass: random vectors are far apart
+    # One direction and its copies a hair apart: fp16 cannot rank them, so each query goes to float32.
+    rng = np.random.default_rng(1)
+    close = faiss_flat(rng.standard_normal(16) + 1e-4 * rng.standard_normal((500, 16)))
+    lone = close.reconstruct(0)[None] * 3
+    searcher = TorchExactIndex.of(close, "cpu")
+    scores = searcher._scores
+    monkeypatch.setattr(searcher, "_scores", lambda block: full_passes.append(len(block)) or scores(block))
+    np.testing.assert_array_equal(searcher.search(lone, 10)[1], close.search(lone, 10)[1])
+    assert full_passes == [1]
+    zero_scores, zero_ids = searcher.search(np.zeros((1, 16), dtype="float32"), 10)  # no direction at all
+    assert zero_ids.shape == (1, 10) and not zero_scores.any()
+    assert TorchExactIndex(torch.ones(600, 16), two_pass=False)._half is None
 
 
 def test_search_moves_only_exact_indexes(tiny_bundle):
