@@ -262,7 +262,7 @@ SEARCH_BLOCK = 256
 COARSE_QUERIES = 4
 """Blocks of at most this many queries search a CPU's float32 pool in two passes
 (:meth:`TorchExactIndex._two_pass`); larger ones score the whole pool in float32, where the fp16 pass
-stops paying (docs/performance.md section 16: 4 queries 13.5 ms in fp16 against 25 in float32, 8 level)."""
+stops paying (docs/performance.md section 16, the default pool: 4 queries 13.6 ms against 24.2, 8 level)."""
 
 COARSE_ERROR = 2.0**-8
 """What the fp16 pass may get wrong, at most, in a score between a unit query and a pool vector scaled to
@@ -284,9 +284,11 @@ class TorchExactIndex:
         False: always one float32 pass (``bench/search_kernels.py`` compares the two)."""
         import torch
 
+        from coreply.device import one_openmp_thread
+
         self.vectors = vectors  # torch.Tensor [N, D]
         self.ntotal = len(vectors)
-        self._helpers = ThreadPoolExecutor(thread_name_prefix="exact-search")  # started as a search needs
+        self._helpers = ThreadPoolExecutor(thread_name_prefix="exact-search", initializer=one_openmp_thread)
         self._half: Any = None  # [N, D] fp16: the pool over its largest norm (_scale), for the first pass
         self._scale = float(vectors.norm(dim=1).max()) if len(vectors) else 0.0
         cpu_fp32 = vectors.device.type == "cpu" and vectors.dtype == torch.float32
@@ -330,18 +332,30 @@ class TorchExactIndex:
         re-scored in float32. The top k of those is the exact one when its last score beats, by more
         than :data:`COARSE_ERROR`, the best any vector outside them can reach; a query where it does
         not is searched again in float32 alone. Same results as one float32 pass (ties may come in
-        another order, as they may from one top-k to the next), about three times faster for a lone
-        query on this AMD host (docs/performance.md section 16)."""
+        another order, as they may from one top-k to the next), a lone query about twice as fast on an
+        AMD EPYC (docs/performance.md section 16)."""
         import torch
 
+        depth = 2 * k + 64
         norms = queries.norm(dim=1, keepdim=True)  # [B, 1]
-        coarse = torch.topk((queries / norms).half() @ self._half.T, 2 * k + 64, dim=1)  # [B, 2k+64] x2
+        unit = (queries / norms).half()  # [B, D]
+
+        def coarse(rows: slice) -> tuple[Any, Any]:  # a slice's best: ([B, depth], [B, depth] pool ids)
+            top = torch.topk(unit @ self._half[rows].T, min(depth, rows.stop - rows.start), dim=1)
+            return top.values, top.indices + rows.start
+
+        # On the helper threads, where torch runs on one OpenMP thread (coreply.device.one_openmp_thread):
+        # torch's own workers would spin for milliseconds after the matmul, on the cores the next stage
+        # needs (the reranker 70 -> 74 ms a request, docs/performance.md section 16).
+        parts = [done.result() for done in [self._helpers.submit(coarse, rows) for rows in self._slices()]]
+        best = torch.topk(torch.cat([v for v, _ in parts], dim=1), depth, dim=1)  # [B, depth] x2
+        chosen = torch.cat([ids for _, ids in parts], dim=1).gather(1, best.indices)  # [B, depth]
         # A vector outside the candidates scores at most (the last candidate's + COARSE_ERROR), scaled back.
-        reach = (coarse.values[:, -1].float() + COARSE_ERROR) * norms[:, 0] * self._scale  # [B]
+        reach = (best.values[:, -1].float() + COARSE_ERROR) * norms[:, 0] * self._scale  # [B]
         pool = self.vectors.numpy()
         values, indices = [], []
         for row, query in enumerate(queries.numpy()):
-            candidates = coarse.indices[row]  # [2k+64]
+            candidates = chosen[row]  # [depth]
             top = torch.topk(torch.from_numpy(pool[candidates.numpy()] @ query), k)  # [k] x2
             if top.values[-1] > reach[row]:
                 values.append(top.values)
@@ -369,13 +383,19 @@ class TorchExactIndex:
         def score(rows: slice) -> None:
             np.matmul(pool[rows], q.T, out=out[rows])
 
-        cuts = np.linspace(0, len(pool), max(1, min(torch.get_num_threads(), len(pool))) + 1).astype(int)
-        slices = [slice(a, b) for a, b in pairwise(cuts)]
+        slices = self._slices()
         helpers = [self._helpers.submit(score, rows) for rows in slices[1:]]
         score(slices[0])
         for done in helpers:
             done.result()
         return torch.from_numpy(out).T  # [B, N]
+
+    def _slices(self) -> list[slice]:
+        """The pool cut into one slice per torch intra-op thread."""
+        import torch
+
+        cuts = np.linspace(0, self.ntotal, max(1, min(torch.get_num_threads(), self.ntotal)) + 1).astype(int)
+        return [slice(a, b) for a, b in pairwise(cuts)]
 
 
 def searcher(index: Any, factory: str, device: str) -> Any:

@@ -45,6 +45,17 @@ def set_threads(threads: int) -> None:
     threadpool_limits(1, user_api="blas")
 
 
+def one_openmp_thread() -> None:
+    """Run torch's parallel kernels on the calling thread alone from now on (a thread pool's
+    ``initializer``). A thread that runs parallel work otherwise gets a team of OpenMP workers of its own,
+    and they spin for milliseconds after each kernel (section 11 of docs/performance.md; section 16: the
+    exact search's helpers). Only this thread changes: OpenMP's thread count is per thread."""
+    from threadpoolctl import threadpool_limits
+
+    torch.get_num_threads()  # torch sets a new thread's OpenMP threads on its first use: that first, then 1
+    threadpool_limits(1, user_api="openmp")
+
+
 def autocast(device: torch.device):
     """bf16 autocast on CUDA, a no-op (fp32) on CPU."""
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")

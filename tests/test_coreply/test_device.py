@@ -1,12 +1,13 @@
 """coreply.device: device names, thread counts, and one-off work on a thread of its own."""
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 from threadpoolctl import threadpool_info
 
-from coreply.device import check_device_name, on_own_thread, set_threads
+from coreply.device import check_device_name, on_own_thread, one_openmp_thread, set_threads
 
 
 def test_device_names_are_checked_without_looking_at_the_host():
@@ -41,5 +42,18 @@ def test_set_threads_sets_torchs_threads_and_holds_numpys_blas_to_one():
             set_threads(n)
             blas = [pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas"]
             assert torch.get_num_threads() == n and blas and set(blas) == {1}
+    finally:
+        set_threads(before)
+
+
+def test_one_openmp_thread_holds_only_the_thread_it_runs_on():
+    before = torch.get_num_threads()
+    try:
+        set_threads(2)
+        with ThreadPoolExecutor(1, initializer=one_openmp_thread) as helper:
+            assert helper.submit(torch.get_num_threads).result() == 1
+        with ThreadPoolExecutor(1) as plain:  # a new thread without it takes the process's count
+            assert plain.submit(torch.get_num_threads).result() == 2
+        assert torch.get_num_threads() == 2
     finally:
         set_threads(before)
