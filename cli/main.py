@@ -746,7 +746,6 @@ def _index_parser(sub) -> None:
 
 
 def _cmd_index(args: argparse.Namespace) -> int:
-    from coreply.device import resolve_device
     from coreply.readers import read_pairs, read_pool
 
     if args.index_command == "info":
@@ -760,9 +759,9 @@ def _cmd_index(args: argparse.Namespace) -> int:
                 print(f"{label:<10} {value}")
         return 0
     if args.index_command == "verify":
-        from index_builder.build import verify_bundle
+        from coreply.bundle import load_bundle
 
-        manifest = verify_bundle(args.bundle)
+        manifest = load_bundle(args.bundle).manifest  # every hash, count and model tie checked
         count = manifest["index"]["count"]
         print(f"{args.bundle}: ok (version {manifest['bundle_version']}, {count} responses)")
         return 0
@@ -779,6 +778,7 @@ def _cmd_index(args: argparse.Namespace) -> int:
             f"{added} added, {len(texts) - added} skipped (already in the bundle, repeated or blank)"
         )
         return 0
+    from coreply.device import resolve_device
     from index_builder.build import build_bundle
 
     resolve_device(args.device)
@@ -1093,7 +1093,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.WARNING, format="%(message)s"
     )  # notes from the library (capped lists...)
     from coreply.bundle import BundleError
-    from coreply.checkpoint import CheckpointError
+    from coreply.checkpoint_meta import CheckpointError
     from coreply.readers import DataError
 
     try:

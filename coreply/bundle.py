@@ -35,18 +35,20 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from itertools import pairwise
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from coreply.artifacts import read_sealed, seal
-from coreply.checkpoint import CheckpointError, read_meta
+from coreply.checkpoint_meta import CheckpointError, read_meta
 from coreply.lexical import BM25
 from coreply.lexical import Stage as LexicalStage
 from coreply.prior import Prior
-from coreply.ranking import ZSCORE_WEIGHT, Hits, Pipeline
 from coreply.restatement import Guard
 from coreply.text import normalize
+
+if TYPE_CHECKING:  # the ranking stages import torch: loaded where a bundle is served, not to read one
+    from coreply.ranking import Hits, Pipeline
 
 FORMAT = "coreply-bundle/1"
 MANIFEST = "manifest.json"
@@ -477,6 +479,8 @@ class IndexRetriever:
         else:
             scores, ids = self.prior.search(self.index.search, queries, k, self.index.ntotal)  # [B, k] x2
         self.timings = {"encode": encoded - start, "search": time.perf_counter() - encoded}
+        from coreply.ranking import Hits
+
         return Hits(ids, scores, codes)
 
     def vectors(self, ids: np.ndarray) -> np.ndarray:
@@ -510,6 +514,8 @@ def pipeline(bundle: Bundle, backend: Any, index: Any = None) -> Pipeline:
     """The bundle's ranking pipeline on ``backend`` (over ``index``, default the bundle's own), with the
     z-score weight and restatement guard it was calibrated with. The rerank stage is the cross-encoder if
     the bundle has one, else the poly stage if its retriever is a Poly-encoder."""
+    from coreply.ranking import ZSCORE_WEIGHT, Pipeline
+
     weight = float(bundle.manifest.get("fusion", {}).get("zscore_weight", ZSCORE_WEIGHT))
     guard = bundle.manifest.get("restatement")
     index = bundle.index if index is None else index

@@ -18,24 +18,15 @@ from torch import nn
 from transformers import AutoTokenizer
 
 from coreply.adapters import add_lora, lora_settings, merge_lora, trainable_state
-from coreply.artifacts import read_sealed, seal, sha256_file, staging
+from coreply.artifacts import seal, sha256_file, staging
+from coreply.checkpoint_meta import ADAPTER, FORMAT, META, WEIGHTS, CheckpointError, read_meta, stamp
 from coreply.config import ZERO_SHOT, ModelConfig
 from coreply.models import BiEncoder, CrossEncoder, resolve_base_model, retriever_class
 from coreply.tokenization import DialogueTokenizer
 
-FORMAT = "coreply-checkpoint/1"
-META = "checkpoint.json"
-WEIGHTS = "model.safetensors"
-ADAPTER = "adapter.safetensors"
-KINDS = ("bi", "cross")  # a Poly-encoder is a "bi" checkpoint whose config has poly_codes > 0
-
 
 def model_class(kind: str, config: ModelConfig) -> type[BiEncoder] | type[CrossEncoder]:
     return retriever_class(config) if kind == "bi" else CrossEncoder
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory that is missing, malformed or does not match its recorded hashes."""
 
 
 def save_weights(model: nn.Module, path: Path, state: dict[str, torch.Tensor] | None = None) -> None:
@@ -95,22 +86,7 @@ def save_checkpoint(
         }
         if adapter is not None:
             meta["adapter"] = adapter
-        return seal(tmp, final, META, meta, _stamp)["content_hash"]
-
-
-def _stamp(digest: str) -> dict[str, str]:
-    return {"content_hash": digest}
-
-
-def read_meta(path: str | Path, verify: bool = True) -> dict[str, Any]:
-    """Read and (by default) verify ``checkpoint.json`` against the files; raises :class:`CheckpointError`."""
-    root = Path(path)
-    meta = read_sealed(
-        root, META, FORMAT, CheckpointError, _stamp, f"not a coreply checkpoint (no {META})", verify
-    )
-    if meta.get("kind") not in KINDS:
-        raise CheckpointError(f"{root / META}: unknown kind {meta.get('kind')!r}")
-    return meta
+        return seal(tmp, final, META, meta, stamp)["content_hash"]
 
 
 def base_weights(config: ModelConfig) -> Path:

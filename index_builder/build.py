@@ -350,11 +350,6 @@ def add_responses(
         return finish(tmp, root, manifest)
 
 
-def verify_bundle(path: str | Path) -> dict[str, Any]:
-    """Load with full verification; returns the manifest."""
-    return load_bundle(path).manifest
-
-
 def _threads() -> int:
     import os
 
