@@ -1,14 +1,14 @@
 r"""Which matmul scores an exact search fastest on this CPU? Hosts differ from session to session (MKL
 is slow on some AMD EPYCs, fast on Intel Xeons), and the served search chose by measuring one host
-(docs/performance.md sections 15-16). Per batch of queries against a pool of the default bundle's shape
+(docs/performance.md sections 15-17). Per batch of queries against a pool of the default bundle's shape
 (random unit vectors and random queries, or with ``--bundle`` a bundle's own vectors and its encoding of
 the chitchat test contexts), four ways to score and take the top k:
 
 - ``torch``: one float32 matmul in torch (MKL), what the search was before section 15;
 - ``float32-slices``: :class:`coreply.bundle.TorchExactIndex` in one float32 pass, numpy's BLAS on one
   thread per slice of the pool (section 15);
-- ``served``: the same index as served: blocks of up to ``COARSE_QUERIES`` queries in two passes, fp16
-  then float32 (section 16), larger ones as ``float32-slices``;
+- ``served``: the same index as served: two passes, fp16 (a few queries) or bf16 (larger blocks, where
+  the CPU has bf16 dot products) then float32 (sections 16-17), else as ``float32-slices``;
 - ``torch-fp16``: the vectors and queries in fp16, one torch matmul (not exact).
 
 Median ms per batch over ``--rounds`` calls, each on queries of its own, and the share of all those
@@ -93,7 +93,7 @@ def main() -> None:
     k = min(args.k, len(pool))
     vectors = torch.from_numpy(pool)
     half = vectors.half()
-    served, one_pass = TorchExactIndex(vectors), TorchExactIndex(vectors, two_pass=False)
+    served, one_pass = TorchExactIndex(vectors), TorchExactIndex(vectors, passes=())
     rows = []
     with torch.inference_mode():
         for start, size in zip(np.cumsum([0, *args.batch]) * (args.rounds + 1), args.batch, strict=False):

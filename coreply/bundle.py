@@ -261,15 +261,44 @@ def read_knowledge(root: Path) -> list[str]:
 SEARCH_BLOCK = 256
 """Queries an exact torch search scores at once: a [256, N] float32 block (127 MB for the default pool)."""
 
-COARSE_QUERIES = 4
-"""Blocks of at most this many queries search a CPU's float32 pool in two passes
-(:meth:`TorchExactIndex._two_pass`); larger ones score the whole pool in float32, where the fp16 pass
-stops paying (docs/performance.md section 16, the default pool: 4 queries 13.6 ms against 24.2, 8 level)."""
 
-COARSE_ERROR = 2.0**-8
-"""What the fp16 pass may get wrong, at most, in a score between a unit query and a pool vector scaled to
-norm at most 1: rounding both to fp16 (2^-11 each), the fp16 score (2^-12) and float32 accumulation add up
-to 1.3e-3; this leaves three times that."""
+@dataclass(frozen=True)
+class FirstPass:
+    """A low-precision copy of the pool that picks an exact search's candidates (:meth:`TorchExactIndex.
+    _two_pass`) for blocks of up to ``max_queries`` queries. ``error``: the most it may get wrong a score
+    between a unit query and a pool vector scaled to norm at most 1. Rounding both to the dtype (u each,
+    u = 2^-11 for fp16, 2^-8 for bf16), the product's rounding to it (u) and float32 accumulation (about
+    2e-5) add up to 3u: fp16's 2^-8 leaves three times that, bf16's 2^-6 a third more."""
+
+    dtype: str
+    max_queries: int
+    error: float
+
+
+FP16_PASS = FirstPass("float16", 4, 2.0**-8)
+"""A lone query is bound by memory: fp16 reads half the bytes (docs/performance.md section 16). Up to 4
+queries where bf16 is not fast (beyond that fp16's matmul is no faster than float32's), 2 where it is."""
+
+BF16_PASS = FirstPass("bfloat16", SEARCH_BLOCK, 2.0**-6)
+"""On a CPU with bf16 dot products (AVX-512 BF16, AMX) a block of queries multiplies about three times
+faster in bf16 than in float32 (section 17)."""
+
+
+@dataclass
+class _LowCopy:
+    """One first pass over an index: the pool over its largest norm in ``first.dtype`` [N, D], and how
+    many queries it has served and, of those, how many it could not tell and were searched again."""
+
+    first: FirstPass
+    pool: Any
+    queries: int = 0
+    again: int = 0
+
+    def pays(self) -> bool:
+        """Whether to keep using it: past 256 queries, at most one in eight searched again. Pools whose
+        scores sit closer than the pass's error (random unit vectors under bf16: 2-3 times slower than
+        one float32 pass) stop using it."""
+        return self.queries < 256 or 8 * self.again <= self.queries
 
 
 class TorchExactIndex:
@@ -278,24 +307,31 @@ class TorchExactIndex:
     contract as a FAISS index (:meth:`of` copies one). On a GPU host it keeps the search off the host CPU;
     on a CPU it gains from batching where FAISS's flat search does not (docs/performance.md section 9:
     one thread, 124,141 x 384, a batch of 64 queries 1.0 ms a query against FAISS's 14), its float32
-    matmul goes through numpy's BLAS (:meth:`_scores`), and a few queries are searched in two passes,
-    fp16 then float32 (:meth:`_two_pass`)."""
+    matmul goes through numpy's BLAS (:meth:`_scores`), and where it pays the queries are searched in two
+    passes, low precision then float32 (:meth:`_two_pass`)."""
 
-    def __init__(self, vectors: Any, two_pass: bool = True) -> None:
-        """``two_pass``: search small blocks of queries on a CPU in two passes (:meth:`_two_pass`);
-        False: always one float32 pass (``bench/search_kernels.py`` compares the two)."""
+    def __init__(self, vectors: Any, passes: Sequence[FirstPass] | None = None) -> None:
+        """``passes``: the first passes of :meth:`_two_pass` on a CPU with float32 vectors, each for blocks
+        of up to its ``max_queries``; by default what suits this CPU (fp16 for a few queries, and bf16
+        for larger blocks where the CPU has bf16 dot products); () searches in one float32 pass always
+        (``bench/search_kernels.py`` compares them)."""
         import torch
 
-        from coreply.device import one_openmp_thread
+        from coreply.device import cpu_has_bf16_dot, one_openmp_thread
 
         self.vectors = vectors  # torch.Tensor [N, D]
         self.ntotal = len(vectors)
         self._helpers = ThreadPoolExecutor(thread_name_prefix="exact-search", initializer=one_openmp_thread)
-        self._half: Any = None  # [N, D] fp16: the pool over its largest norm (_scale), for the first pass
         self._scale = float(vectors.norm(dim=1).max()) if len(vectors) else 0.0
         cpu_fp32 = vectors.device.type == "cpu" and vectors.dtype == torch.float32
-        if two_pass and cpu_fp32 and 0 < self._scale < float("inf"):
-            self._half = (vectors / self._scale).half()
+        if passes is None:
+            passes = [replace(FP16_PASS, max_queries=2), BF16_PASS] if cpu_has_bf16_dot() else [FP16_PASS]
+        # one _LowCopy per first pass, the one for the smallest blocks first
+        self._passes: list[_LowCopy] = []
+        if cpu_fp32 and 0 < self._scale < float("inf"):
+            unit = vectors / self._scale
+            for first in sorted(passes, key=lambda first: first.max_queries):
+                self._passes.append(_LowCopy(first, unit.to(getattr(torch, first.dtype))))
 
     @classmethod
     def of(cls, index: Any, device: str) -> TorchExactIndex:
@@ -320,30 +356,31 @@ class TorchExactIndex:
             q = torch.as_tensor(queries).to(self.vectors.device, self.vectors.dtype)
             k = min(k, self.ntotal)
             for block in q.split(SEARCH_BLOCK):
-                if self._half is not None and len(block) <= COARSE_QUERIES and 2 * k + 64 < self.ntotal:
-                    values, indices = self._two_pass(block, k)
+                low = next((c for c in self._passes if len(block) <= c.first.max_queries), None)
+                if low is not None and low.pays() and 2 * k + 64 < self.ntotal:
+                    values, indices = self._two_pass(block, k, low)
                 else:
                     values, indices = torch.topk(self._scores(block), k, dim=1)  # [B, k] x2
                 scores.append(values.float().cpu().numpy())
                 ids.append(indices.cpu().numpy())
         return np.concatenate(scores), np.concatenate(ids)
 
-    def _two_pass(self, queries: Any, k: int) -> tuple[Any, Any]:
-        """queries [B, D] -> their exact top k, (scores [B, k], ids [B, k]), in two passes: the
-        2k + 64 best by an fp16 copy of the pool (half the bytes to read: a lone query is memory-bound),
-        re-scored in float32. The top k of those is the exact one when its last score beats, by more
-        than :data:`COARSE_ERROR`, the best any vector outside them can reach; a query where it does
-        not is searched again in float32 alone. Same results as one float32 pass (ties may come in
-        another order, as they may from one top-k to the next), a lone query about twice as fast on an
-        AMD EPYC (docs/performance.md section 16)."""
+    def _two_pass(self, queries: Any, k: int, low: _LowCopy) -> tuple[Any, Any]:
+        """queries [B, D] -> their exact top k, (scores [B, k], ids [B, k]), in two passes: the 2k + 64
+        best by ``low``, the pool in low precision, re-scored in float32. The top k of those is the
+        exact one when its last score beats, by more than ``low.first.error``, the best any vector
+        outside them can reach; the queries where it does not are searched again in one float32 pass. Same
+        results as one float32 pass (ties may come in another order, as they may from one top-k to the
+        next), a lone query about twice as fast, a block of 64 about three times, on an AMD EPYC
+        (docs/performance.md sections 16-17)."""
         import torch
 
         depth = 2 * k + 64
         norms = queries.norm(dim=1, keepdim=True)  # [B, 1]
-        unit = (queries / norms).half()  # [B, D]
+        unit = (queries / norms).to(low.pool.dtype)  # [B, D]
 
         def coarse(rows: slice) -> tuple[Any, Any]:  # a slice's best: ([B, depth], [B, depth] pool ids)
-            top = torch.topk(unit @ self._half[rows].T, min(depth, rows.stop - rows.start), dim=1)
+            top = torch.topk(unit @ low.pool[rows].T, min(depth, rows.stop - rows.start), dim=1)
             return top.values, top.indices + rows.start
 
         # On the helper threads, where torch runs on one OpenMP thread (coreply.device.one_openmp_thread):
@@ -352,21 +389,18 @@ class TorchExactIndex:
         parts = [done.result() for done in [self._helpers.submit(coarse, rows) for rows in self._slices()]]
         best = torch.topk(torch.cat([v for v, _ in parts], dim=1), depth, dim=1)  # [B, depth] x2
         chosen = torch.cat([ids for _, ids in parts], dim=1).gather(1, best.indices)  # [B, depth]
-        # A vector outside the candidates scores at most (the last candidate's + COARSE_ERROR), scaled back.
-        reach = (best.values[:, -1].float() + COARSE_ERROR) * norms[:, 0] * self._scale  # [B]
+        # A vector outside the candidates scores at most (the last candidate's + error), scaled back.
+        reach = (best.values[:, -1].float() + low.first.error) * norms[:, 0] * self._scale  # [B]
         pool = self.vectors.numpy()
-        values, indices = [], []
+        values, indices = torch.empty(len(queries), k), torch.empty(len(queries), k, dtype=torch.long)
         for row, query in enumerate(queries.numpy()):
-            candidates = chosen[row]  # [depth]
-            top = torch.topk(torch.from_numpy(pool[candidates.numpy()] @ query), k)  # [k] x2
-            if top.values[-1] > reach[row]:
-                values.append(top.values)
-                indices.append(candidates[top.indices])
-            else:  # not certain (or NaN): the whole pool in float32
-                top = torch.topk(self._scores(queries[row : row + 1])[0], k)
-                values.append(top.values)
-                indices.append(top.indices)
-        return torch.stack(values), torch.stack(indices)
+            top = torch.topk(torch.from_numpy(pool[chosen[row].numpy()] @ query), k)  # [k] x2
+            values[row], indices[row] = top.values, chosen[row, top.indices]
+        uncertain = ~(values[:, -1] > reach)  # [B]: the margin too small (or NaN)
+        low.queries, low.again = low.queries + len(queries), low.again + int(uncertain.sum())
+        if uncertain.any():  # those queries over the whole pool in float32, together
+            values[uncertain], indices[uncertain] = torch.topk(self._scores(queries[uncertain]), k, dim=1)
+        return values, indices
 
     def _scores(self, queries: Any) -> Any:
         """queries [B, D] -> scores [B, N]. In float32 on a CPU, numpy's BLAS on one thread scores a slice

@@ -69,6 +69,16 @@ def cpu_has_bf16_matmul() -> bool:
     return bool(probe and probe())
 
 
+def cpu_has_bf16_dot() -> bool:
+    """Whether this CPU has bf16 dot-product instructions (AVX-512 BF16, or AMX tiles): there a bf16 matmul
+    of a block of queries against the pool runs about three times faster than float32's (the exact
+    search's first pass, docs/performance.md section 17); elsewhere bf16 is emulated."""
+    probes = (
+        getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    )
+    return any(probe is not None and probe() for probe in probes)
+
+
 def batch_scale(device: torch.device) -> int:
     """How many times larger an inference batch is on a GPU than on a CPU. At CPU sizes (4,096 padded
     tokens) an H100's time per batch is mostly launches and a host sync: validation scored pairs at about

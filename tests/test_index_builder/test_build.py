@@ -13,7 +13,8 @@ from tiny import WORDS
 
 from coreply.artifacts import content_hash, hash_tree, write_json_atomic
 from coreply.bundle import (
-    COARSE_QUERIES,
+    BF16_PASS,
+    FP16_PASS,
     MANIFEST,
     BundleError,
     TorchExactIndex,
@@ -442,29 +443,40 @@ def test_torch_exact_search_returns_what_faiss_flat_returns():
     assert TorchExactIndex(torch.zeros(0, 16)).search(queries, 10)[1].shape == (7, 0)  # no pool, no slices
 
 
-def test_two_pass_search_is_exact_and_searches_again_when_fp16_cannot_tell(monkeypatch):
+@pytest.mark.parametrize("first", [FP16_PASS, BF16_PASS], ids=["fp16", "bf16"])
+def test_two_pass_search_is_exact_and_searches_again_when_the_first_pass_cannot_tell(monkeypatch, first):
+    full_passes: list[int] = []  # queries searched over the whole pool in float32, call by call
+
+    def searcher_of(index):  # the pool in ``first``'s dtype first
+        searcher = TorchExactIndex(torch.from_numpy(index.reconstruct_n(0, index.ntotal)), passes=[first])
+        scores = searcher._scores
+        monkeypatch.setattr(
+            searcher, "_scores", lambda block: full_passes.append(len(block)) or scores(block)
+        )
+        return searcher
+
     index, queries = flat_index_and_queries()
-    searcher = TorchExactIndex.of(index, "cpu")
-    full_passes = []
-    scores = searcher._scores
-    monkeypatch.setattr(searcher, "_scores", lambda block: full_passes.append(len(block)) or scores(block))
-    want_scores, want_ids = index.search(queries[:COARSE_QUERIES], 10)
-    got_scores, got_ids = searcher.search(queries[:COARSE_QUERIES], 10)
+    want_scores, want_ids = index.search(queries[:4], 10)
+    got_scores, got_ids = searcher_of(index).search(queries[:4], 10)
     np.testing.assert_array_equal(got_ids, want_ids)
     np.testing.assert_allclose(got_scores, want_scores, rtol=1e-5, atol=1e-5)
-    assert full_passes == []  # all certain from the fp16 pass: random vectors are far apart
-    # One direction and its copies a hair apart: fp16 cannot rank them, so each query goes to float32.
+    assert full_passes == []  # all certain from the first pass: random vectors are far apart
+    # One direction and copies a hair apart: the first pass cannot rank them, so float32 searches again.
     rng = np.random.default_rng(1)
     close = faiss_flat(rng.standard_normal(16) + 1e-4 * rng.standard_normal((500, 16)))
     lone = close.reconstruct(0)[None] * 3
-    searcher = TorchExactIndex.of(close, "cpu")
-    scores = searcher._scores
-    monkeypatch.setattr(searcher, "_scores", lambda block: full_passes.append(len(block)) or scores(block))
+    searcher = searcher_of(close)
     np.testing.assert_array_equal(searcher.search(lone, 10)[1], close.search(lone, 10)[1])
     assert full_passes == [1]
     zero_scores, zero_ids = searcher.search(np.zeros((1, 16), dtype="float32"), 10)  # no direction at all
     assert zero_ids.shape == (1, 10) and not zero_scores.any()
-    assert TorchExactIndex(torch.ones(600, 16), two_pass=False)._half is None
+    low = searcher._passes[0]
+    for _ in range(64):  # 4 x 64 more it cannot tell: it stops paying, and searches go to float32 alone
+        searcher.search(np.repeat(lone, 4, axis=0), 10)
+    assert low.queries == 258 and not low.pays()
+    searcher.search(lone, 10)
+    assert low.queries == 258 and full_passes[-1] == 1
+    assert TorchExactIndex(torch.ones(600, 16), passes=())._passes == []
 
 
 def test_search_moves_only_exact_indexes(tiny_bundle):
