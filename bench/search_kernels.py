@@ -1,6 +1,6 @@
 r"""Which matmul scores an exact search fastest on this CPU? Hosts differ from session to session (MKL
 is slow on some AMD EPYCs, fast on Intel Xeons), and the served search chose by measuring one host
-(docs/performance.md sections 15-17). Per batch of queries against a pool of the default bundle's shape
+(docs/performance.md sections 15-16). Per batch of queries against a pool of the default bundle's shape
 (random unit vectors and random queries, or with ``--bundle`` a bundle's own vectors and its encoding of
 the chitchat test contexts), four ways to score and take the top k:
 
@@ -8,7 +8,7 @@ the chitchat test contexts), four ways to score and take the top k:
 - ``float32-slices``: :class:`coreply.bundle.TorchExactIndex` in one float32 pass, numpy's BLAS on one
   thread per slice of the pool (section 15);
 - ``served``: the same index as served: two passes, fp16 (a few queries) or bf16 (larger blocks, where
-  the CPU has bf16 dot products) then float32 (sections 16-17), else as ``float32-slices``;
+  the CPU has bf16 dot products) then float32 (section 16), else as ``float32-slices``;
 - ``torch-fp16``: the vectors and queries in fp16, one torch matmul (not exact).
 
 Median ms per batch over ``--rounds`` calls, each on queries of its own, and the share of all those

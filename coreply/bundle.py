@@ -281,7 +281,7 @@ queries where bf16 is not fast (beyond that fp16's matmul is no faster than floa
 
 BF16_PASS = FirstPass("bfloat16", SEARCH_BLOCK, 2.0**-6)
 """On a CPU with bf16 dot products (AVX-512 BF16, AMX) a block of queries multiplies about three times
-faster in bf16 than in float32 (section 17)."""
+faster in bf16 than in float32 (docs/performance.md section 16)."""
 
 
 @dataclass
@@ -372,7 +372,7 @@ class TorchExactIndex:
         outside them can reach; the queries where it does not are searched again in one float32 pass. Same
         results as one float32 pass (ties may come in another order, as they may from one top-k to the
         next), a lone query about twice as fast, a block of 64 about three times, on an AMD EPYC
-        (docs/performance.md sections 16-17)."""
+        (docs/performance.md section 16)."""
         import torch
 
         depth = 2 * k + 64

@@ -72,7 +72,7 @@ def cpu_has_bf16_matmul() -> bool:
 def cpu_has_bf16_dot() -> bool:
     """Whether this CPU has bf16 dot-product instructions (AVX-512 BF16, or AMX tiles): there a bf16 matmul
     of a block of queries against the pool runs about three times faster than float32's (the exact
-    search's first pass, docs/performance.md section 17); elsewhere bf16 is emulated."""
+    search's first pass, docs/performance.md section 16); elsewhere bf16 is emulated."""
     probes = (
         getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
     )
