@@ -17,7 +17,8 @@ search's top k scores (within float32 rounding, so tied vectors may come in eith
 
     python bench/search_kernels.py --batch 1 2 4 8 16 64 --rounds 31 \
         --out docs/search-kernels-two-pass-2026-11-27.json
-    python bench/search_kernels.py --bundle artifacts/default-bundle --batch 1 2 4 8 --rounds 31
+    python bench/search_kernels.py --bundle artifacts/default-bundle --batch 1 2 4 8 16 64 --rounds 31 \
+        --out docs/search-kernels-two-pass-bundle-2026-11-27.json
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def main() -> None:
     if args.out and not args.out.parent.is_dir():
         raise SystemExit(f"--out: {args.out.parent} is not a directory")
     set_threads(args.threads)
-    pool, all_queries = pool_and_queries(args)  # [N, D], [sum(batch), D]
+    pool, all_queries = pool_and_queries(args)  # [N, D], [(rounds + 1) * sum(batch), D]
     pool64 = pool.astype("float64")
     k = min(args.k, len(pool))
     vectors = torch.from_numpy(pool)
