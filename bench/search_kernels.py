@@ -51,6 +51,11 @@ def pool_and_queries(args: argparse.Namespace) -> tuple[np.ndarray, np.ndarray]:
         except (OSError, ValueError) as exc:
             raise SystemExit(f"--bundle: {exc}") from None
         contexts = [pair.context for pair in load_chitchat()["test"][:wanted]]
+        if len(contexts) < wanted:
+            raise SystemExit(
+                f"--rounds/--batch: (rounds + 1) x sum(batch) = {wanted} queries, but the test split has "
+                f"{len(contexts)} contexts: use fewer rounds or smaller batches"
+            )
         queries = make_backend(bundle, threads=args.threads).encode_contexts(contexts)
         return bundle.index.reconstruct_n(0, bundle.index.ntotal), np.asarray(queries, dtype="float32")
     rng = np.random.default_rng(0)

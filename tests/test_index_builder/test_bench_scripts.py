@@ -83,6 +83,11 @@ def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):
         ("search_kernels.py", ["--bundle", str(tmp_path)], "--bundle: "),
         ("search_kernels.py", ["--rounds", "0"], "--rounds "),
         ("search_kernels.py", ["--batch", "1", "0"], "--batch: "),
+        (  # more queries than the test split has contexts
+            "search_kernels.py",
+            ["--bundle", str(tiny_bundle), "--batch", "64", "--rounds", "200"],
+            "--rounds/--batch: ",
+        ),
         (
             "retriever_sum.py",
             ["--bi", str(tmp_path), str(tiny_core), "--out", str(tmp_path / "no/x.json")],
