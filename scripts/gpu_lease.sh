@@ -13,6 +13,12 @@
 #   bash scripts/gpu_lease.sh setup eval:S pack           # call 2, S = budget_left_s - 75 (~1 min a run)
 #   bash scripts/gpu_lease.sh setup speed:S pack          # call 3 with what is left (>= 200 s), or serve:S
 #
+# A run longer than call 1 (QUEUE=core-plain-2ep, 9 minutes): its call 2 waits for it first, every call
+# naming the same QUEUE (PACK_FULL follows it):
+#
+#   QUEUE=core-plain-2ep bash scripts/gpu_lease.sh setup train wait:500 pack          # timeout_s 560
+#   QUEUE=core-plain-2ep bash scripts/gpu_lease.sh setup wait:120 eval:S pack         # S = budget_left_s - 180
+#
 # The lease of 2026-11-26 (H200; docs/results.md section 25) measured: a 35 s start, call 1 399 s for
 # CORE's run (12 s setup, 363 s the run: 9 s of tokenising, 289 s of 1,610 steps, 8 validations, the
 # saves; 20 s pack), evaluations of 55 s (CORE), 69 s (its compact reranker) and 33 s (zero-shot).
@@ -50,9 +56,9 @@
 #         (checks the parts, unpacks them into runs/lease, copies the results and adapters into KEEP,
 #         default docs/lease-<today>, to commit: runs/ does not outlive this VM; and says whether the
 #         tree and .lease still fit a call: once a choice is made, `git rm` the kept weights that are not
-#         shipped, git keeps them). A reranker trained in full comes back in fp16 for the runs
-#         named in PACK_FULL (default the queue's first), and as rank-PACK_RANK adapters (default 32, `coreply
-#         compact`, ~3 MB: the form that fits in git; `eval` measures it too, as RUN-r32); other
+#         shipped, git keeps them). Every run's reranker trained in full comes back as rank-PACK_RANK
+#         adapters (default 32, `coreply compact`, ~3 MB: the form that fits in git; `eval` measures
+#         PACK_FULL's, as RUN-r32), and in fp16 for the runs named in PACK_FULL (default the queue's first); other
 #         full-weight models (Dial-MAE, the grounded rankers: 60-180 MB each) stay on the machine.
 #
 # Issue #14 (serving on the GPU), a call of its own once `setup` has run on the machine (the two carries
@@ -144,6 +150,13 @@ RUNS=(
   # loss kept falling; residual-core, on random lists from that reranker, did not move the test (29).
   "core-plain|--mode core"
   "independent-plain|--mode independent"
+  # The pair of 2026-11-27 (results.md 37): both rerankers passed 35.5 (38.9 on the test's lists) and
+  # were still rising at 53 % of an epoch, 0.6-1.0 below their retrievers, and CORE was level with
+  # independent training. So the next leases train longer, one run a lease (QUEUE=core-plain-2ep, then
+  # independent-plain-2ep): two epochs planned in 9 minutes (1.5-1.8 epochs run; the learning rate
+  # decays to zero at the last step), the call after `train` a `wait` before `eval`.
+  "core-plain-2ep|--mode core --epochs 2 --max-minutes 9"
+  "independent-plain-2ep|--mode independent --epochs 2 --max-minutes 9"
   # Next, by what the pair shows (QUEUE="core-plain-g1 core-plain-lr5e-5"): if only independent-plain's
   # reranker passes 35.5, CORE's pull toward the retriever (gamma_G = 3, the paper's) is what holds it;
   # if neither does, the rate: 1e-4 was a bet over the paper's 5e-5 on 200 CPU steps (results.md 22).
@@ -243,11 +256,13 @@ progress() {
   done
 }
 
-copies() {  # run $1's reranker trained in full, as cross-fp16/ (45 MB) and as rank-PACK_RANK adapters
-  # cross-rR/ (coreply compact, ~3 MB), each rewritten only when the run has a newer best checkpoint
-  # than the copy names; returns non-zero if either failed
+copies() {  # run $1's reranker trained in full as rank-PACK_RANK adapters cross-rR/ (coreply compact,
+  # ~3 MB) and, if the run is one of PACK_FULL, as cross-fp16/ (45 MB), each rewritten only when the run
+  # has a newer best checkpoint than the copy names; returns non-zero if either failed
   [ -f "$LEASE/$1/cross/model.safetensors" ] || return 0
-  python3 - "$LEASE/$1/cross" "$PACK_RANK" <<'EOF'
+  local fp16=0
+  [[ " $PACK_FULL " == *" $1 "* ]] && fp16=1
+  python3 - "$LEASE/$1/cross" "$PACK_RANK" "$fp16" <<'EOF'
 import json
 import sys
 from pathlib import Path
@@ -255,7 +270,7 @@ from pathlib import Path
 from cli.main import main
 from coreply.checkpoint import load_checkpoint, read_meta, save_checkpoint
 
-src, rank = Path(sys.argv[1]), sys.argv[2]
+src, rank, want_fp16 = Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "1"
 meta = read_meta(src)
 
 
@@ -266,7 +281,7 @@ def names(copy: Path, key: str) -> bool:
 
 
 fp16, small = src.with_name("cross-fp16"), src.with_name(f"cross-r{rank}")
-if not names(fp16, "fp16_of"):
+if want_fp16 and not names(fp16, "fp16_of"):
     save_checkpoint(load_checkpoint(src).half(), fp16, {**meta["extra"], "fp16_of": meta["content_hash"]})
 if not names(small, "compacted_from") and main(["compact", str(src), "-o", str(small), "--rank", rank]):
     sys.exit(1)
@@ -538,8 +553,10 @@ print(json.load(open(sys.argv[1])).get('init_bi') or sys.argv[2])" "$LEASE/$run/
     # its best checkpoint so far (a run cut off still returns one): those of PACK_FULL's runs (default
     # the queue's first), e.g. PACK_FULL=independent in the last call when the report
     # favours its reranker. Other full-weight models stay on the machine. A failed copy never stops pack.
-    # Beside it, cross-rR/: the same as rank-R adapters, the form that can ship (see copies).
-    for name in $PACK_FULL; do
+    # Every run's reranker trained in full also comes back as cross-rR/, rank-R adapters, the form that
+    # can ship (see copies): the lease of 2026-11-27 left its best reranker, independent-plain's, behind.
+    for name in "$LEASE"/*/; do
+      name=$(basename "$name")
       copies "$name" || echo "pack: no fp16 or compact copy of $name's reranker" >&2
     done
     (cd runs && find "$(basename "$LEASE")" -name state -prune -o -type f ! -name '*.tmp' \
