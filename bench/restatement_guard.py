@@ -1,9 +1,11 @@
 """Reply or restatement, as served: a bundle's answers to chitchat contexts with its restatement guard
 off and on (coreply/restatement.py), through the code the service runs (``Responder``'s pipeline).
 
-Per setting: hits@1 and hits@10 of the gold reply over the bundle's whole pool (protocol B, retrieval
-order), the latency per context (recall batched by 64, and whole requests one at a time), and two
-restatement rates of the top answer, each beside the rate of the human replies themselves:
+Per setting: hits@1 and hits@10 of the gold reply over the bundle's whole pool (protocol B, in the
+order of the first stage and, for a bundle with a reranker, also in the order it serves: its first 10
+reranked and fused as calibrated), the latency per context (answers batched by 64, and whole requests
+one at a time), and two restatement rates of the top answer, each beside the rate of the human replies
+themselves:
 
 - *judge*: cosine with the last turn >= 0.8 under zero-shot all-MiniLM-L6-v2 (``coreply eval``'s
   metric, evaluation/restatement.py). The default bundle's retriever starts from that model, so its
@@ -11,9 +13,10 @@ restatement rates of the top answer, each beside the rate of the human replies t
 - *words*: unigram F1 with the last turn >= 0.6, a judge that shares nothing with any model (human
   replies reach it in 0.24 % of the validation split).
 
-It also gives a one-sided paired bootstrap p-value for "the guard costs hits@1", the cases each setting
-answers with the gold (``--against`` other runs' files: p that this bundle ranks better than each, per
-setting), and prints the top answer to the prompts of issue #12 with the guard off and on.
+It also gives one-sided paired bootstrap p-values for "the guard costs hits@1" and, with a reranker,
+"reranking gains no hits@1", the cases each setting answers with the gold (``--against`` other runs'
+files: p that this bundle ranks better than each, per setting both measured), and prints the top
+answer to the prompts of issue #12 in each setting.
 
     python bench/restatement_guard.py --bundle artifacts/default-bundle --split test --limit 2000 \\
         --out docs/restate-guard-default.json
@@ -39,7 +42,7 @@ from coreply.checkpoint import load_bi
 from coreply.config import ZERO_SHOT
 from coreply.corpus import load_chitchat
 from coreply.knowledge import unigram_f1
-from coreply.ranking import Query
+from coreply.ranking import Query, order
 from coreply.responder import Responder
 from coreply.text import normalize
 from evaluation.metrics import paired_bootstrap
@@ -54,14 +57,27 @@ PROMPTS = [
 ]
 
 
-def top_answers(ranking: Any, pairs: list, allow: bool = False) -> tuple[list[list[str]], list[str | None]]:
-    """Recall through ``ranking`` in batches of 64: per pair the keys of its top 10 and its top text."""
+def top_answers(
+    ranking: Any, pairs: list, allow: bool = False, fusion: str = "retrieval"
+) -> tuple[list[list[str]], list[str | None]]:
+    """Answer through ``ranking`` in batches of 64, 10 candidates each, reranked and fused by ``fusion``
+    unless it is ``retrieval`` (as ``Responder.respond`` does one at a time): per pair the keys of its
+    top 10 and its top text."""
     ids = []
     for s in range(0, len(pairs), 64):
         queries = [Query(tuple(p.context), allow_restatements=allow) for p in pairs[s : s + 64]]
-        ids += [c.ids for c in ranking.recall(queries, [10] * len(queries))]
+        candidates = ranking.recall(queries, [10] * len(queries))
+        if fusion != "retrieval":
+            ranking.rerank(queries, candidates, 10)
+        ids += [c.ids[order(c, fusion, 10, ranking.weight)[0]] for c in candidates]
     ranked = [[ranking.keys[j] for j in i] for i in ids]
     return ranked, [ranking.texts[i[0]] if len(i) else None for i in ids]
+
+
+def setting(allow: bool, fusion: str) -> str:
+    """A setting's name: the guard off or on, in the first stage's order or reranked by ``fusion``."""
+    name = "guard off" if allow else "guard on"
+    return name if fusion == "retrieval" else f"{name}, reranked ({fusion})"
 
 
 def words_rate(contexts: list, answers: list[str | None]) -> float:
@@ -174,12 +190,13 @@ def main() -> None:
         "prompts": {},
     }
     top1: dict[str, np.ndarray] = {}  # per case: the gold is the top answer
-    for allow in (True, False):
+    gold = [normalize(p.response) for p in pairs]
+    fusions = ["retrieval"] + ([bot.default_fusion] if ranking.reranker else [])  # the first stage, as served
+    for fusion, allow in [(f, a) for f in fusions for a in (True, False)]:
         start = time.perf_counter()
-        ranked, top = top_answers(ranking, pairs, allow)
+        ranked, top = top_answers(ranking, pairs, allow, fusion)
         ms = 1000 * (time.perf_counter() - start) / len(pairs)
-        gold = [normalize(p.response) for p in pairs]
-        name = "guard off" if allow else "guard on"
+        name = setting(allow, fusion)
         top1[name] = np.array([r[:1] == [g] for r, g in zip(ranked, gold, strict=True)], dtype=float)
         result["settings"][name] = {
             "hits@1": round(100 * float(top1[name].mean()), 2),
@@ -188,30 +205,39 @@ def main() -> None:
             "restates_words": words_rate(contexts, top),
             "ms_per_context_batched": round(ms, 2),
         }
-        answers = [bot.respond(c, allow_restatements=allow) for c in PROMPTS]
+        answers = [bot.respond(c, fusion=fusion, allow_restatements=allow) for c in PROMPTS]
         result["prompts"][name] = [a[0].text if a else None for a in answers]
-        one = []  # one context at a time, as a lone client's request is recalled
+        one = []  # one context at a time, as a lone client's request is answered
         for c in contexts[: args.single]:
             start = time.perf_counter()
-            bot.respond(c, allow_restatements=allow)
+            bot.respond(c, fusion=fusion, allow_restatements=allow)
             one.append(1000 * (time.perf_counter() - start))
         result["settings"][name]["ms_one_context_p50"] = round(float(np.median(one)), 2)
         print(name, result["settings"][name], flush=True)
     # one-sided paired bootstrap: is hits@1 without the guard higher than with it?
     result["p_guard_costs_hits@1"] = round(paired_bootstrap(top1["guard off"], top1["guard on"]), 4)
+    if len(fusions) > 1:  # and is it higher reranked than in the first stage's order?
+        result["p_rerank_gains_hits@1"] = {
+            name: round(paired_bootstrap(top1[setting(allow, fusions[1])], top1[name]), 4)
+            for allow, name in ((True, "guard off"), (False, "guard on"))
+        }
     result["top1_cases"] = {name: np.flatnonzero(hit).tolist() for name, hit in top1.items()}
     result["against"] = []
     for path, other in others.items():
         against: dict[str, Any] = {"file": path}
         for name, hit in top1.items():
+            if name not in other["top1_cases"]:  # a setting the other bundle has not (a reranker)
+                continue
             theirs = np.zeros_like(hit)
             theirs[other["top1_cases"][name]] = 1
             against[f"p_better_{name}"] = round(paired_bootstrap(hit, theirs), 4)
         result["against"].append(against)
         print("against", against)
     print("gold replies", result["gold"], "p (guard costs hits@1)", result["p_guard_costs_hits@1"])
-    for prompt, off, on in zip(PROMPTS, *result["prompts"].values(), strict=True):
-        print(f"{' / '.join(prompt)!r}: off {off!r} -> on {on!r}")
+    if "p_rerank_gains_hits@1" in result:
+        print("p (the reranker gains no hits@1)", result["p_rerank_gains_hits@1"])
+    for i, prompt in enumerate(PROMPTS):
+        print(" / ".join(prompt), {name: answers[i] for name, answers in result["prompts"].items()})
     result["meta"] = {
         "bundle": args.bundle,
         "guard": bot.bundle.manifest["restatement"],

@@ -218,3 +218,25 @@ def test_hybrid_bm25_reorders_the_retrievers_first_candidates(tmp_path, tiny_cor
     result = json.loads(served.read_text())
     assert result["served"] and result["guard_quantile"] == 0.99 and result["query"] == "earlier"
     assert [r["system"] for r in result["B"]] == ["test: dense", "test: dense + BM25, w=0.5"]
+
+
+def test_restatement_guard_answers_as_the_service_does(guarded_bundle, toy_pairs):
+    """The bench's batched answers are the service's, one request at a time: in the first stage's order
+    and reranked with the bundle's fusion, with the guard off and on."""
+    import importlib.util
+
+    from coreply.responder import Responder
+
+    spec = importlib.util.spec_from_file_location("restatement_guard", ROOT / "bench" / "restatement_guard.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    bot = Responder.load(guarded_bundle)
+    assert bot.default_fusion == "zscore"  # the bundle has a reranker
+    for fusion in ("retrieval", "zscore"):
+        for allow in (True, False):
+            ranked, top = module.top_answers(bot.pipeline, toy_pairs, allow, fusion)
+            served = [bot.respond(p.context, 10, fusion=fusion, allow_restatements=allow) for p in toy_pairs]
+            assert top == [replies[0].text for replies in served]
+            assert ranked == [[bot.pipeline.keys[r.id] for r in replies] for replies in served]
+    assert module.setting(False, "zscore") == "guard on, reranked (zscore)"
