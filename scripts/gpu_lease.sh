@@ -13,11 +13,11 @@
 #   bash scripts/gpu_lease.sh setup eval:S pack           # call 2, S = budget_left_s - 75 (~1 min a run)
 #   bash scripts/gpu_lease.sh setup speed:S pack          # call 3 with what is left (>= 200 s), or serve:S
 #
-# A run longer than call 1 (QUEUE=core-plain-2ep, 9 minutes): its call 2 waits for it first, every call
-# naming the same QUEUE (PACK_FULL follows it):
+# A queue longer than call 1 (QUEUE="student-core core-long", 3 + 6 minutes): its call 2 waits for it
+# first, every call naming the same QUEUE (PACK_FULL follows it):
 #
-#   QUEUE=core-plain-2ep bash scripts/gpu_lease.sh setup train wait:500 pack          # timeout_s 560
-#   QUEUE=core-plain-2ep bash scripts/gpu_lease.sh setup wait:120 eval:S pack         # S = budget_left_s - 180
+#   QUEUE="student-core core-long" bash scripts/gpu_lease.sh setup train wait:500 pack   # timeout_s 560
+#   QUEUE="student-core core-long" bash scripts/gpu_lease.sh setup wait:150 eval:S pack  # S = budget_left_s - 210
 #
 # The lease of 2026-11-26 (H200; docs/results.md section 25) measured: a 35 s start, call 1 399 s for
 # CORE's run (12 s setup, 363 s the run: 9 s of tokenising, 289 s of 1,610 steps, 8 validations, the
@@ -152,11 +152,15 @@ RUNS=(
   "independent-plain|--mode independent"
   # The pair of 2026-11-27 (results.md 37): both rerankers passed 35.5 (38.9 on the test's lists) and
   # were still rising at 53 % of an epoch, 0.6-1.0 below their retrievers, and CORE was level with
-  # independent training. So the next leases train longer, one run a lease (QUEUE=core-plain-2ep, then
-  # independent-plain-2ep): two epochs planned in 9 minutes (1.5-1.8 epochs run; the learning rate
-  # decays to zero at the last step), the call after `train` a `wait` before `eval`.
-  "core-plain-2ep|--mode core --epochs 2 --max-minutes 9"
-  "independent-plain-2ep|--mode independent --epochs 2 --max-minutes 9"
+  # independent training. On validation core-plain's reranker (its compact copy, in the tree) adds ~1
+  # hits@1 behind its retriever, at a 6-layer cost the CPU default cannot pay: the next lease
+  # (QUEUE="student-core core-long") distils it into the 2-layer, 64-token reranker the CPU can afford
+  # (docs/performance.md §5), behind the retriever it was trained with, then trains CORE for longer:
+  # at most two epochs in 6 minutes (about one on either card; the learning rate decays to zero at the
+  # last step). The call after `train` has a `wait` before `eval` (see the top).
+  "student-core|--mode distill --models cross --teacher docs/lease-2026-11-27/core-plain-cross-r32 --init-cross docs/lease-2026-11-27/core-plain-cross-r32 --init-bi docs/lease-2026-11-27/core-plain-bi ${STUDENT[*]} --max-minutes 3"
+  "core-long|--mode core --epochs 2 --max-minutes 6"
+  "independent-long|--mode independent --epochs 2 --max-minutes 6"
   # Next, by what the pair shows (QUEUE="core-plain-g1 core-plain-lr5e-5"): if only independent-plain's
   # reranker passes 35.5, CORE's pull toward the retriever (gamma_G = 3, the paper's) is what holds it;
   # if neither does, the rate: 1e-4 was a bet over the paper's 5e-5 on 200 CPU steps (results.md 22).
