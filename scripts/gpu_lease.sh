@@ -58,8 +58,9 @@
 #         tree and .lease still fit a call: once a choice is made, `git rm` the kept weights that are not
 #         shipped, git keeps them). Every run's reranker trained in full comes back as rank-PACK_RANK
 #         adapters (default 32, `coreply compact`, ~3 MB: the form that fits in git; `eval` measures
-#         PACK_FULL's, as RUN-r32), and in fp16 for the runs named in PACK_FULL (default the queue's first); other
-#         full-weight models (Dial-MAE, the grounded rankers: 60-180 MB each) stay on the machine.
+#         PACK_FULL's, as RUN-r32), and in fp16 for the runs named in PACK_FULL (default the queue's
+#         first); other full-weight models (Dial-MAE, the grounded rankers: 60-180 MB each) stay on the
+#         machine.
 #
 # Issue #14 (serving on the GPU), a call of its own once `setup` has run on the machine (the two carries
 # together exceed one call's 64 MiB):
@@ -161,9 +162,10 @@ RUNS=(
   "student-core|--mode distill --models cross --teacher docs/lease-2026-11-27/core-plain-cross-r32 --init-cross docs/lease-2026-11-27/core-plain-cross-r32 --init-bi docs/lease-2026-11-27/core-plain-bi ${STUDENT[*]} --max-minutes 3"
   "core-long|--mode core --epochs 2 --max-minutes 6"
   "independent-long|--mode independent --epochs 2 --max-minutes 6"
-  # Next, by what the pair shows (QUEUE="core-plain-g1 core-plain-lr5e-5"): if only independent-plain's
-  # reranker passes 35.5, CORE's pull toward the retriever (gamma_G = 3, the paper's) is what holds it;
-  # if neither does, the rate: 1e-4 was a bet over the paper's 5e-5 on 200 CPU steps (results.md 22).
+  # What the pair was to choose between (results.md 31), neither indicated once both rerankers passed
+  # 35.5 (37.2), kept for reference: if only independent-plain's reranker passed 35.5, CORE's pull
+  # toward the retriever (gamma_G = 3, the paper's) held it; if neither did, the rate: 1e-4 was a bet
+  # over the paper's 5e-5 on 200 CPU steps (results.md 22).
   "core-plain-g1|--mode core --gamma-g 1"
   "core-plain-lr5e-5|--mode core --cross-lr 5e-5"
   # restatement negatives that are closer to being ones: only neighbours at cosine 0.8 or more (0.7 per
