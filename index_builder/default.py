@@ -2,20 +2,20 @@
 plus the compact retriever shipped in this repository.
 
 Recipe: the bi-encoder in ``coreply/weights/default-bi`` (low-rank adapters over all-MiniLM-L6-v2,
-scaled cosine, one shared tower, trained with in-batch negatives; provenance and measured metrics in its
-``checkpoint.json`` and in ``coreply/weights/README.md``) as the retriever over every distinct response
-of the chitchat corpus (124,141), int8 ONNX (one scale per output channel, 7-bit weights), exact inner-product
-search, the restatement guard calibrated on the validation split at its 0.98 quantile
-(:mod:`coreply.restatement`), the response prior measured on 20,000 training contexts, weighted by hits@1
-on the whole validation split (:mod:`coreply.prior`), and the lexical stage (BM25 reordering the first 100
-candidates, :mod:`coreply.lexical`) at the weight with the best hits@1 on the first 2,000 validation
-pairs. The stricter guard and the lexical stage come together: BM25 favours the context's own words, and
-the guard's 0.995 quantile let its restatements through (docs/results.md §34, §35). No
-reranker yet: none trained so far beats the retriever (docs/results.md §7–8). A reranker that earns its
-place is shipped as ``coreply/weights/default-cross`` (adapters; ``coreply compact`` makes them from one
-trained in full); when that checkpoint exists the default reranks the
-retriever's candidates with it, fused by the z-score weight calibrated on validation pairs, and an
-existing default bundle is rebuilt.
+scaled cosine, separate context and response towers, trained by CORE beside a reranker on a GPU;
+provenance and measured metrics in its ``checkpoint.json`` and in ``coreply/weights/README.md``) as the
+retriever over every distinct response of the chitchat corpus (124,141), int8 ONNX (one scale per
+output channel, 7-bit weights), exact inner-product search, the restatement guard calibrated on the
+validation split at its 0.98 quantile (:mod:`coreply.restatement`), the response prior measured on
+20,000 training contexts, weighted by hits@1 on the whole validation split (:mod:`coreply.prior`), and
+the lexical stage (BM25 reordering the first 100 candidates, :mod:`coreply.lexical`) at the weight with
+the best hits@1 on the first 2,000 validation pairs. The stricter guard and the lexical stage come
+together: BM25 favours the context's own words, and the guard's 0.995 quantile let its restatements
+through (docs/results.md §34, §35). No reranker yet: none trained so far adds to the retriever as
+served (docs/results.md §37). A reranker that earns its place is shipped as
+``coreply/weights/default-cross`` (adapters; ``coreply compact`` makes them from one trained in full);
+when that checkpoint exists the default reranks the retriever's candidates with it, fused by the
+z-score weight calibrated on validation pairs, and an existing default bundle is rebuilt.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import coreply
 from coreply import lexical
 
 RECALL_QUERIES = 500
-RECIPE = "default bundle, recipe 8 (recipe 7 with every text through the int8 graphs alone)"
+RECIPE = "default bundle, recipe 9 (recipe 8 with the CORE retriever of 2026-11-27)"
 """Recorded as the bundle's build command; a default bundle built by another recipe is rebuilt."""
 DEFAULT_BI = Path(coreply.__file__).parent / "weights" / "default-bi"
 DEFAULT_CROSS = Path(coreply.__file__).parent / "weights" / "default-cross"

@@ -153,13 +153,14 @@ RUNS=(
   "independent-plain|--mode independent"
   # The pair of 2026-11-27 (results.md 37): both rerankers passed 35.5 (38.9 on the test's lists) and
   # were still rising at 53 % of an epoch, 0.6-1.0 below their retrievers, and CORE was level with
-  # independent training. On validation core-plain's reranker (its compact copy, in the tree) adds ~1
-  # hits@1 behind its retriever, at a 6-layer cost the CPU default cannot pay: the next lease
+  # independent training. core-plain's retriever is the default's since (37.4); its reranker (the
+  # compact copy, in the tree) adds ~1 hits@1 behind it in `coreply eval` on validation but nothing as
+  # served (int8, behind the lexical stage), at 140 ms a request on the CPU. The next lease
   # (QUEUE="student-core core-long") distils it into the 2-layer, 64-token reranker the CPU can afford
-  # (docs/performance.md §5), behind the retriever it was trained with, then trains CORE for longer:
-  # at most two epochs in 6 minutes (about one on either card; the learning rate decays to zero at the
-  # last step). The call after `train` has a `wait` before `eval` (see the top).
-  "student-core|--mode distill --models cross --teacher docs/lease-2026-11-27/core-plain-cross-r32 --init-cross docs/lease-2026-11-27/core-plain-cross-r32 --init-bi docs/lease-2026-11-27/core-plain-bi ${STUDENT[*]} --max-minutes 3"
+  # (docs/performance.md §5), behind that retriever, then trains CORE for longer: at most two epochs in
+  # 6 minutes (about one on either card; the learning rate decays to zero at the last step). The call
+  # after `train` has a `wait` before `eval` (see the top).
+  "student-core|--mode distill --models cross --teacher docs/lease-2026-11-27/core-plain-cross-r32 --init-cross docs/lease-2026-11-27/core-plain-cross-r32 --init-bi coreply/weights/default-bi ${STUDENT[*]} --max-minutes 3"
   "core-long|--mode core --epochs 2 --max-minutes 6"
   "independent-long|--mode independent --epochs 2 --max-minutes 6"
   # What the pair was to choose between (results.md 31), neither indicated once both rerankers passed

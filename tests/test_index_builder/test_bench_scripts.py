@@ -227,7 +227,8 @@ def test_restatement_guard_answers_as_the_service_does(guarded_bundle, toy_pairs
 
     from coreply.responder import Responder
 
-    spec = importlib.util.spec_from_file_location("restatement_guard", ROOT / "bench" / "restatement_guard.py")
+    path = ROOT / "bench" / "restatement_guard.py"
+    spec = importlib.util.spec_from_file_location("restatement_guard", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
