@@ -61,22 +61,25 @@ def autocast(device: torch.device):
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
+def _cpu_supports(*features: str) -> bool:
+    """Whether torch finds any of these CPU features (``torch.cpu._is_<feature>_supported``; a torch
+    without the probe counts as not)."""
+    probes = (getattr(torch.cpu, f"_is_{feature}_supported", None) for feature in features)
+    return any(probe is not None and probe() for probe in probes)
+
+
 def cpu_has_bf16_matmul() -> bool:
     """Whether this CPU multiplies bf16 matrices in hardware (Intel AMX tiles). There a model cast to bf16
     stays much closer to fp32 than the int8 ONNX graphs and beats them on large batches, not on a lone
     request (docs/performance.md §10); elsewhere bf16 is emulated and slow."""
-    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool(probe and probe())
+    return _cpu_supports("amx_tile")
 
 
 def cpu_has_bf16_dot() -> bool:
     """Whether this CPU has bf16 dot-product instructions (AVX-512 BF16, or AMX tiles): there a bf16 matmul
     of a block of queries against the pool runs about three times faster than float32's (the exact
     search's first pass, docs/performance.md section 16); elsewhere bf16 is emulated."""
-    probes = (
-        getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    )
-    return any(probe is not None and probe() for probe in probes)
+    return _cpu_supports("avx512_bf16", "amx_tile")
 
 
 def batch_scale(device: torch.device) -> int:
