@@ -13,11 +13,14 @@
 #   bash scripts/gpu_lease.sh setup eval:S pack           # call 2, S = budget_left_s - 75 (~1 min a run)
 #   bash scripts/gpu_lease.sh setup speed:S pack          # call 3 with what is left (>= 200 s), or serve:S
 #
-# A queue longer than call 1 (QUEUE="student-core core-long", 3 + 6 minutes): its call 2 waits for it
-# first, every call naming the same QUEUE (PACK_FULL follows it):
+# A queue longer than call 1: its call 2 waits for the rest first, every call naming the same QUEUE in
+# the same order (PACK_FULL follows its first run). setup and train take ~45 s before the wait, pack ~30 s
+# (the compact copies): call 1's wait is its timeout less 100. The lease of 2026-11-27 12:00 (QUEUE=
+# "student-core core-long") gave it 60 and lost call 1's pack, and a third call that put core-long first
+# packed its 45 MB fp16 copy beside the rest, past the 64 MiB a call brings back:
 #
-#   QUEUE="student-core core-long" bash scripts/gpu_lease.sh setup train wait:500 pack   # timeout_s 560
-#   QUEUE="student-core core-long" bash scripts/gpu_lease.sh setup wait:150 eval:S pack  # S = budget_left_s - 210
+#   QUEUE="a b" bash scripts/gpu_lease.sh setup train wait:490 pack    # timeout_s 590
+#   QUEUE="a b" bash scripts/gpu_lease.sh setup wait:W eval:S pack     # W: the queue's rest; S = budget_left_s - W - 70
 #
 # The lease of 2026-11-26 (H200; docs/results.md section 25) measured: a 35 s start, call 1 399 s for
 # CORE's run (12 s setup, 363 s the run: 9 s of tokenising, 289 s of 1,610 steps, 8 validations, the
@@ -155,14 +158,18 @@ RUNS=(
   # were still rising at 53 % of an epoch, 0.6-1.0 below their retrievers, and CORE was level with
   # independent training. core-plain's retriever is the default's since (37.4); its reranker (the
   # compact copy, in the tree) adds ~1 hits@1 behind it in `coreply eval` on validation but nothing as
-  # served (int8, behind the lexical stage), at 140 ms a request on the CPU. The next lease
-  # (QUEUE="student-core core-long") distils it into the 2-layer, 64-token reranker the CPU can afford
-  # (docs/performance.md §5), behind that retriever, then trains CORE for longer: at most two epochs in
-  # 6 minutes (about one on either card; the learning rate decays to zero at the last step). The call
-  # after `train` has a `wait` before `eval` (see the top).
+  # served (int8, behind the lexical stage), at 140 ms a request on the CPU. The lease of 2026-11-27
+  # 12:00 (results.md 38) distilled it into the 2-layer, 64-token reranker the CPU can afford
+  # (docs/performance.md §5): 13.5 hits@1 on the lists its teacher puts 39 on, useless behind the
+  # retriever; and trained CORE for longer (at most two epochs in 6 minutes, 87 % of one on the H200;
+  # the learning rate decays to zero at the last step): its retriever gained, its reranker did not.
   "student-core|--mode distill --models cross --teacher docs/lease-2026-11-27/core-plain-cross-r32 --init-cross docs/lease-2026-11-27/core-plain-cross-r32 --init-bi coreply/weights/default-bi ${STUDENT[*]} --max-minutes 3"
   "core-long|--mode core --epochs 2 --max-minutes 6"
   "independent-long|--mode independent --epochs 2 --max-minutes 6"
+  # core-long with 4 of the 31 negatives the retriever's own top candidates (refreshed every 200 steps):
+  # a reranker trained on random lists sorts them well (protocol A) but adds little over the retriever's
+  # first 10, the lists it serves on (results.md 37-38); section 17 saw mined lists teach that on the CPU
+  "core-hard-long|--mode core --hard-negatives 4 --epochs 2 --max-minutes 6"
   # What the pair was to choose between (results.md 31), neither indicated once both rerankers passed
   # 35.5 (37.2), kept for reference: if only independent-plain's reranker passed 35.5, CORE's pull
   # toward the retriever (gamma_G = 3, the paper's) held it; if neither did, the rate: 1e-4 was a bet
@@ -433,6 +440,8 @@ with lzma.open('.lease/dataset.json.xz') as src, open('/tmp/site/chitchat_datase
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$LEASE/gpu.txt"
     python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" |
       tee -a "$LEASE/gpu.txt"
+    # which lease these results are (unpack keeps two leases of one day apart): stamped on a fresh machine
+    [ -f "$LEASE/lease-id.txt" ] || date -u +%F-%H%M >"$LEASE/lease-id.txt"
     ;;
   speed | speed:*)  # CORE with SPEED_VARIANTS (e.g. "base mined=4 no-cache no-prefetch chunks=8192": the data
     # path's ablations and mining's cost), then the other modes; speed:S bounds the stage (each row is
@@ -572,9 +581,10 @@ print(json.load(open(sys.argv[1])).get('init_bi') or sys.argv[2])" "$LEASE/$run/
     ;;
   unpack:*)  # here, after every call: the parts it brought back (unpack:DIR, DIR = the reply's files_at)
     # checked and unpacked into runs/ (the previous runs/lease kept as runs/lease.prev); then what must
-    # outlive this VM goes into git's tree, KEEP (default docs/lease-<today>): the results and every
+    # outlive this VM goes into git's tree, KEEP (default docs/lease-<day of the lease>, or
+    # docs/lease-<day>-<hhmm> where an earlier lease of that day has the folder): the results and every
     # run's adapters. runs/ is gone when the VM is replaced: results.md 25's CORE retriever was lost so.
-    local dir=${1#unpack:} keep=${KEEP:-docs/lease-$(date -u +%F)} run name f w
+    local dir=${1#unpack:} keep=${KEEP:-} id run name f w
     [ -f "$dir/lease.sha256" ] ||
       { echo "gpu_lease.sh: $1: no lease.sha256 there: name the folder a call's files came back to" >&2; exit 2; }
     (cd "$dir" && sha256sum -c --quiet lease.sha256) ||
@@ -582,6 +592,11 @@ print(json.load(open(sys.argv[1])).get('init_bi') or sys.argv[2])" "$LEASE/$run/
     rm -rf "$LEASE.new" && mkdir -p "$LEASE.new"
     cat "$dir"/lease.tgz.* | tar xz -C "$LEASE.new" --strip-components 1
     rm -rf "$LEASE.prev" && mv "$LEASE" "$LEASE.prev" && mv "$LEASE.new" "$LEASE"
+    id=$(cat "$LEASE/lease-id.txt" 2>/dev/null || date -u +%F-%H%M)
+    if [ -z "$keep" ]; then
+      keep=docs/lease-${id:0:10}
+      [ -d "$keep" ] && ! cmp -s "$keep/lease-id.txt" <(echo "$id") && keep=docs/lease-$id
+    fi
     mkdir -p "$keep"
     for f in "$LEASE"/*.json "$LEASE"/*.md "$LEASE"/*.png "$LEASE"/*.txt "$LEASE"/queue.log; do
       [ -f "$f" ] && cp "$f" "$keep/"
