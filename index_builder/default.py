@@ -12,7 +12,7 @@ the lexical stage (BM25 reordering the first 100 candidates, :mod:`coreply.lexic
 the best hits@1 on the first 2,000 validation pairs. The stricter guard and the lexical stage come
 together: BM25 favours the context's own words, and the guard's 0.995 quantile let its restatements
 through (docs/results.md §34, §35). No reranker yet: none trained so far adds to the retriever as
-served (docs/results.md §37). A reranker that earns its place is shipped as
+served (docs/results.md §37, §38). A reranker that earns its place is shipped as
 ``coreply/weights/default-cross`` (adapters; ``coreply compact`` makes them from one trained in full);
 when that checkpoint exists the default reranks the retriever's candidates with it, fused by the
 z-score weight calibrated on validation pairs, and an existing default bundle is rebuilt.
@@ -27,7 +27,7 @@ import coreply
 from coreply import lexical
 
 RECALL_QUERIES = 500
-RECIPE = "default bundle, recipe 9 (recipe 8 with the CORE retriever of 2026-11-27)"
+RECIPE = "default bundle, recipe 10 (recipe 9 with CORE's retriever trained for 87 % of an epoch)"
 """Recorded as the bundle's build command; a default bundle built by another recipe is rebuilt."""
 DEFAULT_BI = Path(coreply.__file__).parent / "weights" / "default-bi"
 DEFAULT_CROSS = Path(coreply.__file__).parent / "weights" / "default-cross"

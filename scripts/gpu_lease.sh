@@ -163,6 +163,7 @@ RUNS=(
   # (docs/performance.md §5): 13.5 hits@1 on the lists its teacher puts 39 on, useless behind the
   # retriever; and trained CORE for longer (at most two epochs in 6 minutes, 87 % of one on the H200;
   # the learning rate decays to zero at the last step): its retriever gained, its reranker did not.
+  # The teacher left the tree after (a call's carry): git checkout 3565a06 -- docs/lease-2026-11-27/core-plain-cross-r32
   "student-core|--mode distill --models cross --teacher docs/lease-2026-11-27/core-plain-cross-r32 --init-cross docs/lease-2026-11-27/core-plain-cross-r32 --init-bi coreply/weights/default-bi ${STUDENT[*]} --max-minutes 3"
   "core-long|--mode core --epochs 2 --max-minutes 6"
   "independent-long|--mode independent --epochs 2 --max-minutes 6"

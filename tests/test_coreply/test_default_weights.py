@@ -44,9 +44,10 @@ def test_shipped_weights_load_as_a_changed_but_close_relative_of_zero_shot():
     agreement = cosines.diagonal()  # each text against itself
     assert (agreement < 0.9999).all()  # the adapters were applied
     # and kept MiniLM's geometry: each text stays closest to its own zero-shot embedding, at cosine
-    # 0.76-0.89 for the shipped weights, while different texts sit at 0.09-0.16
+    # 0.69-0.90 for the shipped weights, while different texts sit at 0.03-0.15
     assert (cosines.argmax(dim=1) == torch.arange(len(texts))).all()
-    assert (agreement > 0.7).all()
+    others = cosines.masked_fill(torch.eye(len(texts), dtype=torch.bool), -1).amax(dim=1)
+    assert (agreement > 0.6).all() and (agreement - others > 0.4).all()
 
 
 def test_default_bundle_is_rebuilt_when_the_shipped_weights_or_the_recipe_change(tmp_path, monkeypatch):
