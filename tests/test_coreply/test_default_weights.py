@@ -45,7 +45,6 @@ def test_shipped_weights_load_as_a_changed_but_close_relative_of_zero_shot():
     assert (agreement < 0.9999).all()  # the adapters were applied
     # and kept MiniLM's geometry: each text stays closest to its own zero-shot embedding, at cosine
     # 0.69-0.90 for the shipped weights, while different texts sit at 0.03-0.15
-    assert (cosines.argmax(dim=1) == torch.arange(len(texts))).all()
     others = cosines.masked_fill(torch.eye(len(texts), dtype=torch.bool), -1).amax(dim=1)
     assert (agreement > 0.6).all() and (agreement - others > 0.4).all()
 
