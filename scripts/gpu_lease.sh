@@ -156,15 +156,16 @@ RUNS=(
   "independent-plain|--mode independent"
   # The pair of 2026-11-27 (results.md 37): both rerankers passed 35.5 (38.9 on the test's lists) and
   # were still rising at 53 % of an epoch, 0.6-1.0 below their retrievers, and CORE was level with
-  # independent training. core-plain's retriever is the default's since (37.4); its reranker (the
-  # compact copy, in the tree) adds ~1 hits@1 behind it in `coreply eval` on validation but nothing as
+  # independent training. core-plain's retriever was the default's (37.4, recipe 9); its reranker (the
+  # compact copy) adds ~1 hits@1 behind it in `coreply eval` on validation but nothing as
   # served (int8, behind the lexical stage), at 140 ms a request on the CPU. The lease of 2026-11-27
   # 12:00 (results.md 38) distilled it into the 2-layer, 64-token reranker the CPU can afford
   # (docs/performance.md §5): 13.5 hits@1 on the lists its teacher puts 39 on, useless behind the
   # retriever; and trained CORE for longer (at most two epochs in 6 minutes, 87 % of one on the H200;
   # the learning rate decays to zero at the last step): its retriever gained, its reranker did not.
-  # The teacher left the tree after (a call's carry): git checkout 3565a06 -- docs/lease-2026-11-27/core-plain-cross-r32
-  "student-core|--mode distill --models cross --teacher docs/lease-2026-11-27/core-plain-cross-r32 --init-cross docs/lease-2026-11-27/core-plain-cross-r32 --init-bi coreply/weights/default-bi ${STUDENT[*]} --max-minutes 3"
+  # The run is done and left the queue: its teacher left the tree (a call's carry; git checkout 3565a06
+  # -- docs/lease-2026-11-27/core-plain-cross-r32) and its flags are in that lease's
+  # docs/lease-2026-11-27-1155/train_config-student-core.json.
   "core-long|--mode core --epochs 2 --max-minutes 6"
   "independent-long|--mode independent --epochs 2 --max-minutes 6"
   # core-long with 4 of the 31 negatives the retriever's own top candidates (refreshed every 200 steps):
