@@ -107,9 +107,10 @@ else
   DEVICE=cuda
   # The paper's lists (1 gold + 31 negatives), batch 64 with in-batch negatives for the retriever, at most
   # one epoch and RUN_MINUTES of wall clock, early stopping on validation hits@1 (every 230 steps, 8 times
-  # an epoch): the reranker's on 1-of-100 lists, the retriever's over 20,000 responses (--valid-pool:
-  # 1-of-N lists did not see what mined negatives gained on the full pool, docs/results.md §15-16), a
-  # residual reranker's by its sum with its retriever over that retriever's first 10 of the 20,000.
+  # an epoch), over 20,000 responses (--valid-pool: 1-of-N lists did not see what mined negatives gained
+  # on the full pool, docs/results.md §15-16, nor which reranker orders its retriever's candidates best,
+  # §39): the retriever's recall, the reranker's order of its retriever's first 10 (a residual one's:
+  # its sum with its retriever).
   [ "${QUEUE:-main}" = main ] && RUN_MINUTES=${RUN_MINUTES:-3.75}  # two runs in one 15-minute lease
   BUDGET=(--epochs "${EPOCHS:-1}" --max-minutes "${RUN_MINUTES:-7.5}" --batch-size 64 --num-negatives 31 --in-batch --eval-every 230
     --valid-size 1000 --valid-candidates 100 --valid-pool 20000 --patience 3)

@@ -108,7 +108,8 @@ HELP = {
     "golds and a seeded sample of the training pool; protocol B, echoes dropped) and keep the retriever "
     "with the best hits@1 there, which 1-of-N lists barely see (docs/results.md §15); the reranker "
     "reorders the retriever's first 10 there (a reranker alone: those of the frozen --init-bi "
-    "retriever), and a --cross-residual one is kept by the sum's hits@1 there",
+    "retriever) and is kept by its hits@1 in that order (a --cross-residual one: the sum's), as it "
+    "serves (§39)",
     "patience": "validations without a new best before training stops early",
     "log_every": "steps between lines of metrics.jsonl",
     "device": "'auto' (CUDA when present), 'cpu', 'cuda' or 'cuda:N'",

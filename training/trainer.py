@@ -751,10 +751,11 @@ class Trainer:
         """The validation row whose hits@1 chooses ``name``'s checkpoint."""
         if isinstance(model, PolyEncoder):
             return "poly"
-        pool = "_pool" if self.valid_pool else ""
-        if name == "cross" and self.cfg.cross_residual:  # the retriever's scores plus the correction, over
-            return "sum" + pool  # the pool: its first candidates as served behind that retriever
-        return "bi_pool" if name == "bi" and pool else name
+        # Each model in its own order (a residual reranker's: the retriever's scores plus its correction),
+        # over the pool where there is one, as it serves: the retriever's recall, the reranker's order of
+        # the retriever's first candidates. Random 1-of-100 lists chose worse rerankers (results.md 39.1).
+        own = "sum" if name == "cross" and self.cfg.cross_residual else name
+        return f"{own}_pool" if self.valid_pool else own
 
     def _after_eval(self, valid: dict[str, dict[str, float]]) -> bool:
         """Save new bests; returns True when training should stop early."""

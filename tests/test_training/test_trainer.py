@@ -344,15 +344,17 @@ def test_a_validation_pool_ranks_golds_over_many_responses_and_chooses_the_retri
     trainer = Trainer(cfg, toy_pairs, toy_pairs[:8], pool)
     assert {normalize(p.response) for p in trainer.valid_pairs} < {normalize(t) for t in trainer.valid_pool}
     assert len(trainer.valid_pool) == 10
-    assert trainer.fit()["selected_by"] == {"bi": "bi_pool", "cross": "cross"}
+    assert trainer.fit()["selected_by"] == {"bi": "bi_pool", "cross": "cross_pool"}
     for record in (r for r in records(tmp_path / "run") if "valid" in r):
         assert record["valid"]["bi_pool"]["n"] == 8 and "bi" in record["valid"]  # both kinds logged
-    # the retriever is chosen by the pool's hits@1, the reranker by its lists'
+    # each is chosen by the pool's hits@1 in its own order there, not by its 1-of-N lists'
     trainer.best = {}
-    trainer._after_eval({"bi": {"hits@1": 90.0}, "bi_pool": {"hits@1": 5.0}, "cross": {"hits@1": 50.0}})
-    assert trainer.best == {"bi": 5.0, "cross": 50.0}
-    trainer._after_eval({"bi": {"hits@1": 10.0}, "bi_pool": {"hits@1": 6.0}, "cross": {"hits@1": 40.0}})
-    assert trainer.best == {"bi": 6.0, "cross": 50.0}
+    lists, pool = {"hits@1": 90.0}, {"hits@1": 5.0}
+    trainer._after_eval({"bi": lists, "bi_pool": pool, "cross": lists, "cross_pool": {"hits@1": 7.0}})
+    assert trainer.best == {"bi": 5.0, "cross": 7.0}
+    lists, pool = {"hits@1": 10.0}, {"hits@1": 6.0}
+    trainer._after_eval({"bi": lists, "bi_pool": pool, "cross": lists, "cross_pool": {"hits@1": 6.5}})
+    assert trainer.best == {"bi": 6.0, "cross": 7.0}
     saved = json.loads((tmp_path / "run" / "bi" / "checkpoint.json").read_text())["extra"]["valid"]
     assert saved["bi_pool"]["hits@1"] == 6.0
 
