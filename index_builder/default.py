@@ -12,7 +12,7 @@ the lexical stage (BM25 reordering the first 100 candidates, :mod:`coreply.lexic
 the best hits@1 on the first 2,000 validation pairs. The stricter guard and the lexical stage come
 together: BM25 favours the context's own words, and the guard's 0.995 quantile let its restatements
 through (docs/results.md §34, §35). No reranker yet: none trained so far adds to the retriever as
-served (docs/results.md §37, §38). A reranker that earns its place is shipped as
+served (docs/results.md §37–39). A reranker that earns its place is shipped as
 ``coreply/weights/default-cross`` (adapters; ``coreply compact`` makes them from one trained in full);
 when that checkpoint exists the default reranks the retriever's candidates with it, fused by the
 z-score weight calibrated on validation pairs, and an existing default bundle is rebuilt.
