@@ -25,6 +25,8 @@ answer to the prompts of issue #12 in each setting.
 guard was calibrated on: the first 5,000 validation pairs for the built-in corpus) and reports hits@1,
 hits@10 and both restatement rates of the guarded answers per quantile. In either mode ``--start``
 skips the first pairs of the split, e.g. those a quantile or a weight was chosen on.
+``--backend`` runs the models as ``coreply serve --backend`` would (e.g. ``torch``: fp32, against the
+bundle's int8 ONNX), and ``--fusion sum zscore`` measures each fusion of the reranked candidates.
 """
 
 from __future__ import annotations
@@ -38,11 +40,12 @@ from typing import Any
 
 import numpy as np
 
+from coreply.bundle import BACKENDS
 from coreply.checkpoint import load_bi
 from coreply.config import ZERO_SHOT
 from coreply.corpus import load_chitchat
 from coreply.knowledge import unigram_f1
-from coreply.ranking import Query, order
+from coreply.ranking import FUSIONS, Query, order
 from coreply.responder import Responder
 from coreply.text import normalize
 from evaluation.metrics import paired_bootstrap
@@ -93,7 +96,7 @@ def sweep(args: argparse.Namespace) -> None:
     """The guard re-calibrated at each of ``args.quantiles``, measured on the split's pairs."""
     from coreply import restatement
 
-    bot = Responder.load(args.bundle)
+    bot = Responder.load(args.bundle, backend=args.backend)
     ranking = bot.pipeline
     if ranking.guard is None:
         raise SystemExit(f"{args.bundle}: this bundle has no restatement guard (rebuild it)")
@@ -127,6 +130,7 @@ def sweep(args: argparse.Namespace) -> None:
         print(q, {k: v for k, v in row.items() if k not in ("top1_cases", "guard")}, flush=True)
     result["meta"] = {
         "bundle": args.bundle,
+        "backend": bot.backend.name,
         "split": args.split,
         "pairs": f"[{args.start}:{args.start + len(pairs)}]",
         "pool": len(ranking.texts),
@@ -149,9 +153,21 @@ def main() -> None:
     p.add_argument("--against", nargs="+", default=[], help="other runs' --out files (same split and limit)")
     p.add_argument("--quantiles", type=float, nargs="+", default=[], help="sweep the guard's quantile")
     p.add_argument("--start", type=int, default=0, help="skip the split's first N pairs")
+    p.add_argument("--backend", default="auto", help=f"the models' runtime, as served: {', '.join(BACKENDS)}")
+    reranked = [f for f in FUSIONS if f != "retrieval"]
+    p.add_argument(
+        "--fusion",
+        nargs="+",
+        default=[],
+        help=f"rerank and fuse by each of {', '.join(reranked)} (default: as served, the bundle's z-score)",
+    )
     args = p.parse_args()
     if args.start < 0:
         p.error(f"--start must be >= 0, got {args.start}")
+    if args.backend not in BACKENDS:
+        raise SystemExit(f"--backend: one of {', '.join(BACKENDS)}, got {args.backend!r}")
+    if any(f not in reranked for f in args.fusion):
+        raise SystemExit(f"--fusion: each one of {', '.join(reranked)}, got {' '.join(args.fusion)}")
     if args.quantiles:
         from coreply.restatement import check_quantile
 
@@ -173,7 +189,7 @@ def main() -> None:
             span = f"{args.split}[{args.start}:{args.start + args.limit}]"
             raise SystemExit(f"--against {path}: not a run of this bench on {span}")
 
-    bot = Responder.load(args.bundle)
+    bot = Responder.load(args.bundle, backend=args.backend)
     ranking = bot.pipeline
     if ranking.guard is None:
         raise SystemExit(f"{args.bundle}: this bundle has no restatement guard (rebuild it)")
@@ -191,7 +207,10 @@ def main() -> None:
     }
     top1: dict[str, np.ndarray] = {}  # per case: the gold is the top answer
     gold = [normalize(p.response) for p in pairs]
-    fusions = ["retrieval"] + ([bot.default_fusion] if ranking.reranker else [])  # the first stage, as served
+    if args.fusion and ranking.reranker is None:
+        raise SystemExit(f"--fusion: {args.bundle} has no reranker; leave --fusion out")
+    reranked = (args.fusion or [bot.default_fusion]) if ranking.reranker else []
+    fusions = ["retrieval", *reranked]  # the first stage, then each fusion of the reranked candidates
     for fusion, allow in [(f, a) for f in fusions for a in (True, False)]:
         start = time.perf_counter()
         ranked, top = top_answers(ranking, pairs, allow, fusion)
@@ -217,9 +236,12 @@ def main() -> None:
     # one-sided paired bootstrap: is hits@1 without the guard higher than with it?
     result["p_guard_costs_hits@1"] = round(paired_bootstrap(top1["guard off"], top1["guard on"]), 4)
     if len(fusions) > 1:  # and is it higher reranked than in the first stage's order?
-        result["p_rerank_gains_hits@1"] = {
-            name: round(paired_bootstrap(top1[setting(allow, fusions[1])], top1[name]), 4)
-            for allow, name in ((True, "guard off"), (False, "guard on"))
+        result["p_rerank_gains_hits@1"] = {  # per reranked setting, against the same guard unreranked
+            setting(allow, f): round(
+                paired_bootstrap(top1[setting(allow, f)], top1[setting(allow, "retrieval")]), 4
+            )
+            for f in fusions[1:]
+            for allow in (True, False)
         }
     result["top1_cases"] = {name: np.flatnonzero(hit).tolist() for name, hit in top1.items()}
     result["against"] = []
@@ -240,6 +262,7 @@ def main() -> None:
         print(" / ".join(prompt), {name: answers[i] for name, answers in result["prompts"].items()})
     result["meta"] = {
         "bundle": args.bundle,
+        "backend": bot.backend.name,
         "guard": bot.bundle.manifest["restatement"],
         "split": args.split,
         "start": args.start,

@@ -70,6 +70,8 @@ def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):
         ("rerank_ops.py", ["--bundle", str(tiny_bundle), "--n-r", "0"], "--n-r"),
         ("quantisation.py", ["--bi", str(tiny_core / "bi"), "--limit", "20", "--pool", "5"], "--pool: "),
         ("restatement_guard.py", ["--bundle", str(tiny_bundle), "--against", str(other)], "--against "),
+        ("restatement_guard.py", ["--bundle", str(tiny_bundle), "--fusion", "retrieval"], "--fusion: "),
+        ("restatement_guard.py", ["--bundle", str(tiny_bundle), "--backend", "gpu"], "--backend: "),
         ("retriever_sum.py", ["--bi", str(tmp_path), str(tiny_core / "bi"), "--out", str(other)], "--bi: "),
         ("retriever_sum.py", ["--bi", *[str(tiny_core / "bi")] * 2, "--out", str(other)], "--bi: "),
         ("hybrid_bm25.py", ["--bi", str(tmp_path), "--pool", "80", "--out", str(other)], "--bi: "),
