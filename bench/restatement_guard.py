@@ -154,20 +154,20 @@ def main() -> None:
     p.add_argument("--quantiles", type=float, nargs="+", default=[], help="sweep the guard's quantile")
     p.add_argument("--start", type=int, default=0, help="skip the split's first N pairs")
     p.add_argument("--backend", default="auto", help=f"the models' runtime, as served: {', '.join(BACKENDS)}")
-    reranked = [f for f in FUSIONS if f != "retrieval"]
+    allowed = [f for f in FUSIONS if f != "retrieval"]
     p.add_argument(
         "--fusion",
         nargs="+",
         default=[],
-        help=f"rerank and fuse by each of {', '.join(reranked)} (default: as served, the bundle's z-score)",
+        help=f"rerank and fuse by each of {', '.join(allowed)} (default: as served, the bundle's z-score)",
     )
     args = p.parse_args()
     if args.start < 0:
         p.error(f"--start must be >= 0, got {args.start}")
     if args.backend not in BACKENDS:
         raise SystemExit(f"--backend: one of {', '.join(BACKENDS)}, got {args.backend!r}")
-    if any(f not in reranked for f in args.fusion):
-        raise SystemExit(f"--fusion: each one of {', '.join(reranked)}, got {' '.join(args.fusion)}")
+    if any(f not in allowed for f in args.fusion):
+        raise SystemExit(f"--fusion: each one of {', '.join(allowed)}, got {' '.join(args.fusion)}")
     if args.quantiles:
         from coreply.restatement import check_quantile
 

@@ -230,8 +230,9 @@ def export_onnx(bi: BiEncoder, cross: CrossEncoder | None, out_dir: Path, precis
         fp32.unlink()
 
 
-def quantize_graph(fp32: Path, out: Path, variant: str = INT8) -> None:
-    """Write ``fp32``'s graph with int8 weights to ``out``, by one of :data:`INT8_VARIANTS`."""
+def quantize_graph(fp32: Path, out: Path, variant: str = INT8, keep_fp32: Sequence[str] = ()) -> None:
+    """Write ``fp32``'s graph with int8 weights to ``out``, by one of :data:`INT8_VARIANTS`; the nodes
+    named in ``keep_fp32`` stay fp32."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     # ORT logs a preprocessing hint straight to the root logger: drop that (and only records logged to the
@@ -239,7 +240,13 @@ def quantize_graph(fp32: Path, out: Path, variant: str = INT8) -> None:
     root = logging.getLogger()
     root.addFilter(_below_error)
     try:
-        quantize_dynamic(str(fp32), str(out), weight_type=QuantType.QInt8, **INT8_VARIANTS[variant])
+        quantize_dynamic(
+            str(fp32),
+            str(out),
+            weight_type=QuantType.QInt8,
+            nodes_to_exclude=list(keep_fp32),
+            **INT8_VARIANTS[variant],
+        )
     finally:
         root.removeFilter(_below_error)
 

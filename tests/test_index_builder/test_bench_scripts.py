@@ -72,6 +72,15 @@ def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):
         ("restatement_guard.py", ["--bundle", str(tiny_bundle), "--against", str(other)], "--against "),
         ("restatement_guard.py", ["--bundle", str(tiny_bundle), "--fusion", "retrieval"], "--fusion: "),
         ("restatement_guard.py", ["--bundle", str(tiny_bundle), "--backend", "gpu"], "--backend: "),
+        ("rerank_precision.py", ["--bundle", str(tmp_path)], "--bundle: "),
+        ("rerank_precision.py", ["--variants", "int4"], "--variants: "),
+        ("rerank_precision.py", ["--weights", "0.5", "2"], "--weights: "),
+        ("rerank_precision.py", ["--keep-fp32", "("], "--keep-fp32: "),
+        (
+            "rerank_precision.py",
+            ["--bundle", str(tiny_bundle), "--keep-fp32", "nowhere"],
+            "--keep-fp32 nowhere: ",
+        ),
         ("retriever_sum.py", ["--bi", str(tmp_path), str(tiny_core / "bi"), "--out", str(other)], "--bi: "),
         ("retriever_sum.py", ["--bi", *[str(tiny_core / "bi")] * 2, "--out", str(other)], "--bi: "),
         ("hybrid_bm25.py", ["--bi", str(tmp_path), "--pool", "80", "--out", str(other)], "--bi: "),
@@ -114,6 +123,57 @@ def test_quantisation_compares_each_int8_variant_with_fp32(tmp_path, tiny_core):
     for row in variants.values():
         assert 0 <= row["hits@1"] <= row["hits@10"] <= 100 and 0 < row["cosine_responses"] <= 1.0001
     assert variants["int8-per-channel"]["megabytes"] < variants["fp32"]["megabytes"]
+
+
+def test_rerank_precision_scores_the_same_candidates_in_each_precision(tmp_path, tiny_bundle):
+    out = tmp_path / "precision.json"
+    bench("rerank_precision.py", "--bundle", str(tiny_bundle), "--limit", "6", "--weights", "0.3",
+          "--keep-fp32", r"layer\.0/", "--out", str(out))  # fmt: skip
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert list(rows) == [
+        "retrieval",
+        "fp32",
+        "int8-per-channel-7bit",
+        r"int8-per-channel-7bit, fp32: layer\.0/",
+    ]
+    assert rows["fp32"]["pearson_with_fp32"] == 1.0 and rows["fp32"]["top1_as_fp32_%"] == 100.0
+    weights = sorted({0.3, result["served_weight"]})
+    for row in list(rows.values())[1:]:
+        assert row["ms_per_context"] > 0 and -1 <= row["pearson_with_fp32"] <= 1
+        assert list(row)[3:] == ["rerank", "sum", *[f"zscore {w}" for w in weights]]
+        assert all(0 <= row[f]["hits@1"] <= 100 and 0 <= row[f]["p_gains"] <= 1 for f in list(row)[3:])
+
+
+def test_rerank_precision_counts_the_top_candidate_under_each_fusion(monkeypatch):
+    import importlib.util
+
+    import numpy as np
+
+    from coreply.ranking import Candidates
+
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # as when run as a script: `from bench import ...`
+    monkeypatch.delitem(sys.modules, "bench", raising=False)
+    spec = importlib.util.spec_from_file_location("rerank_precision", ROOT / "bench" / "rerank_precision.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    # the first stage puts 5 first; the reranker prefers 9 (a NaN pads the short second list)
+    candidates = [
+        Candidates(np.array([5, 7, 9]), np.array([3.0, 2.0, 1.0])),
+        Candidates(np.array([4]), np.array([1.0])),
+    ]
+    scores = np.full((2, module.N_R), np.nan)
+    scores[0, :3], scores[1, 0] = [0.0, 1.0, 5.0], 0.0
+    gold = [9, 4]
+    assert module.hits_at_1(candidates, None, gold, "retrieval", 0).tolist() == [0.0, 1.0]
+    assert module.hits_at_1(candidates, scores, gold, "rerank", 0).tolist() == [1.0, 1.0]
+    assert module.hits_at_1(candidates, scores, gold, "sum", 0).tolist() == [1.0, 1.0]  # 3 + 0 < 1 + 5
+    assert module.hits_at_1(candidates, scores, gold, "zscore", 1.0).tolist() == [0.0, 1.0]  # retrieval alone
+    assert module.hits_at_1(candidates, scores, [-1, -1], "rerank", 0).tolist() == [
+        0.0,
+        0.0,
+    ]  # gold not in pool
 
 
 def test_response_prior_sweep_measures_every_setting_against_no_prior(tmp_path, tiny_bundle):

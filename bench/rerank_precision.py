@@ -1,0 +1,174 @@
+"""Does int8 cost the reranker what it learned? A bundle's reranker in fp32 and in each int8 variant of
+ONNX Runtime's dynamic quantisation (coreply.inference.INT8_VARIANTS), on the same candidates: the
+bundle's first stage as served (guard on, its own lexical stage and prior) recalls 10 per context once,
+every variant scores those same pairs, and each fusion orders them. ``--keep-fp32 REGEX ...`` adds,
+per pattern, the served variant with the matrix products whose ONNX node name matches left in fp32
+(e.g. ``layer\\.5/`` the last layer, ``/output/dense`` the feed-forward outputs): which ones lose most.
+
+Per variant: how close its scores are to fp32's (Pearson r over all pairs; % of lists whose reranked
+top-1 is fp32's), the milliseconds to score one context's 10 pairs (each pair run alone, as served), and
+hits@1 of the gold under each fusion (``rerank``: the reranker's order; ``sum``; ``zscore`` at each
+``--weights``), with wins, losses and a one-sided paired bootstrap p against the first stage's order.
+The first stage's own hits@1 is the ``retrieval`` row.
+
+    python bench/rerank_precision.py --bundle artifacts/cand-hard-nolex --split test --limit 2000 \\
+        --out docs/rerank-precision-hard-nolex-test.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from bench import provenance  # bench/bench.py: this script's directory is on sys.path
+from coreply.bundle import BundleError
+from coreply.checkpoint import load_checkpoint
+from coreply.corpus import load_chitchat
+from coreply.inference import (
+    INT8,
+    INT8_VARIANTS,
+    ONNX_FILES,
+    OnnxBackend,
+    _session,
+    export_onnx,
+    quantize_graph,
+)
+from coreply.ranking import Candidates, Query, fuse
+from coreply.responder import Responder
+from coreply.text import normalize
+from evaluation.metrics import paired_bootstrap
+
+N_R = 10
+BATCH = 64
+
+
+def hits_at_1(
+    candidates: list[Candidates], scores: np.ndarray | None, gold: list[int], fusion: str, w: float
+) -> np.ndarray:
+    """[N] 1.0 where the top candidate under ``fusion`` (rerank ``scores`` [N, N_R], NaN past a short
+    list) is the gold pool id; ``gold[i]`` is -1 when the gold is not in the pool."""
+    out = np.zeros(len(candidates))
+    for i, c in enumerate(candidates):
+        first = c.first_stage[:N_R]
+        if not len(first):
+            continue
+        final = first if scores is None else fuse(fusion, first, scores[i, : len(first)], w)
+        out[i] = float(c.ids[int(np.argmax(final))] == gold[i])  # argmax: ties keep first-stage order
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bundle", default="artifacts/default-bundle", help="a bundle with a reranker")
+    p.add_argument("--split", default="test", choices=["valid", "test"])
+    p.add_argument("--start", type=int, default=0, help="skip the split's first N pairs")
+    p.add_argument("--limit", type=int, default=2000, help="N pairs of the split, from --start")
+    p.add_argument("--variants", nargs="+", default=["fp32", INT8], help="fp32 and/or int8 variants")
+    p.add_argument("--keep-fp32", nargs="+", default=[], metavar="REGEX", help="the served int8, these fp32")
+    p.add_argument("--weights", type=float, nargs="+", default=[0.3, 0.4, 0.5, 0.6], help="z-score weights")
+    p.add_argument("--out", default=None, help="JSON file to write")
+    args = p.parse_args()
+    if args.start < 0 or args.limit < 1:
+        raise SystemExit(f"--start must be >= 0 and --limit >= 1, got {args.start} and {args.limit}")
+    if bad := [v for v in args.variants if v not in ("fp32", *INT8_VARIANTS)]:
+        raise SystemExit(f"--variants: each one of fp32, {', '.join(INT8_VARIANTS)}, got {' '.join(bad)}")
+    if bad_w := [w for w in args.weights if not 0 <= w <= 1]:
+        raise SystemExit(f"--weights: each between 0 and 1, got {bad_w}")
+    try:
+        keep = [re.compile(k) for k in args.keep_fp32]
+    except re.error as exc:
+        raise SystemExit(f"--keep-fp32: not a regular expression ({exc})") from None
+    try:
+        bot = Responder.load(args.bundle, backend="onnx")
+    except BundleError as exc:
+        raise SystemExit(f"--bundle: {exc}") from None
+    backend, ranking = bot.backend, bot.pipeline
+    if not isinstance(backend, OnnxBackend) or backend.cross is None:
+        raise SystemExit(f"--bundle {args.bundle}: needs a reranker exported to ONNX")
+
+    pairs = load_chitchat()[args.split][args.start : args.start + args.limit]
+    position = {key: i for i, key in enumerate(ranking.keys)}
+    gold = [position.get(normalize(p.response), -1) for p in pairs]
+
+    scores: dict[str, np.ndarray] = {}  # variant -> [N, N_R] rerank scores, NaN past a short list
+    ms: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        bi = load_checkpoint(bot.bundle.model_dir("bi"), "cpu", expect="bi")
+        cross = load_checkpoint(bot.bundle.model_dir("cross"), "cpu", expect="cross")
+        export_onnx(bi, cross, Path(tmp), "fp32")  # type: ignore[arg-type]
+        fp32 = Path(tmp) / ONNX_FILES["cross"]
+        products = [n.name for n in onnx.load(fp32).graph.node if n.op_type in ("MatMul", "Gemm")]
+        variants = {v: None if v == "fp32" else (v, []) for v in args.variants}
+        for k in keep:
+            if not (nodes := [n for n in products if k.search(n)]):
+                raise SystemExit(f"--keep-fp32 {k.pattern}: matches no matrix product in the reranker")
+            variants[f"{INT8}, fp32: {k.pattern}"] = (INT8, nodes)
+
+        queries = [Query(tuple(p.context)) for p in pairs]
+        candidates: list[Candidates] = []
+        for s in range(0, len(queries), BATCH):
+            candidates += ranking.recall(queries[s : s + BATCH], [N_R] * len(queries[s : s + BATCH]))
+        print(f"{len(pairs)} contexts recalled", flush=True)
+        for variant, how in variants.items():
+            path = fp32 if how is None else Path(tmp) / f"variant-{len(scores)}.onnx"
+            if how is not None:
+                quantize_graph(fp32, path, *how)
+            backend.cross = _session(path, 1, cuda=False)
+            start = time.perf_counter()
+            for s in range(0, len(queries), BATCH):
+                ranking.rerank(queries[s : s + BATCH], candidates[s : s + BATCH], N_R)
+            ms[variant] = 1000 * (time.perf_counter() - start) / len(queries)
+            scores[variant] = np.full((len(queries), N_R), np.nan)
+            for i, c in enumerate(candidates):
+                scores[variant][i, : len(c.rerank)] = c.rerank  # type: ignore[arg-type]
+            print(f"{variant}: {ms[variant]:.0f} ms a context", flush=True)
+
+    base = hits_at_1(candidates, None, gold, "retrieval", 0)
+    rows: dict[str, dict] = {
+        "retrieval": {"hits@1": round(100 * base.mean(), 2), "top1_cases": np.flatnonzero(base).tolist()}
+    }
+    weights = sorted({*args.weights, ranking.weight})  # and the bundle's calibrated one
+    fusions = [("rerank", 0.0), ("sum", 0.0), *[("zscore", w) for w in weights]]
+    ref = scores.get("fp32")
+    for variant, s in scores.items():
+        row: dict = {"ms_per_context": round(ms[variant], 1)}
+        if ref is not None:  # how close to fp32
+            ok = ~np.isnan(s) & ~np.isnan(ref)
+            lists = [(a, b) for a, b in zip(s, ref, strict=True) if not np.isnan(a).all()]  # not empty
+            same = [np.nanargmax(a) == np.nanargmax(b) for a, b in lists]
+            row["pearson_with_fp32"] = round(float(np.corrcoef(s[ok], ref[ok])[0, 1]), 4)
+            row["top1_as_fp32_%"] = round(100 * float(np.mean(same)), 2)
+        for fusion, w in fusions:
+            hit = hits_at_1(candidates, s, gold, fusion, w)
+            name = fusion if fusion != "zscore" else f"zscore {w}"
+            row[name] = {
+                "hits@1": round(100 * hit.mean(), 2),
+                "wins": int(((hit == 1) & (base == 0)).sum()),
+                "losses": int(((hit == 0) & (base == 1)).sum()),
+                "p_gains": round(paired_bootstrap(hit, base), 4),
+                "top1_cases": np.flatnonzero(hit).tolist(),  # to pair with other runs
+            }
+        rows[variant] = row
+        line = [f"{k} {v['hits@1']} (+{v['wins']} -{v['losses']})" for k, v in row.items() if type(v) is dict]
+        print(variant, f"retrieval {rows['retrieval']['hits@1']}", *line, sep="; ", flush=True)
+    result = provenance() | {
+        "bundle": args.bundle,
+        "pairs": f"{args.split}[{args.start}:{args.start + len(pairs)}]",
+        "first_stage": {"lexical": bot.bundle.manifest.get("lexical"), "guard": "on"},
+        "served_weight": ranking.weight,
+        "gold_in_pool_%": round(100 * float(np.mean(np.array(gold) >= 0)), 2),
+        "rows": rows,
+    }
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
