@@ -544,6 +544,12 @@ def _readable(index: Any, root: Path) -> None:
         ) from exc
 
 
+def default_fusion(bundle: Bundle, reranks: bool) -> str:
+    """The fusion a request gets unless it names one: with a rerank stage (``reranks``) the one the bundle
+    was calibrated with (a residual reranker's sum), else z-score; without, retrieval."""
+    return bundle.manifest.get("fusion", {}).get("default", "zscore") if reranks else "retrieval"
+
+
 def pipeline(bundle: Bundle, backend: Any, index: Any = None) -> Pipeline:
     """The bundle's ranking pipeline on ``backend`` (over ``index``, default the bundle's own), with the
     z-score weight and restatement guard it was calibrated with. The rerank stage is the cross-encoder if

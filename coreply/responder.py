@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from coreply.bundle import Bundle, load_bundle, make_backend, pipeline, search_on
+from coreply.bundle import Bundle, default_fusion, load_bundle, make_backend, pipeline, search_on
 from coreply.ranking import FUSIONS, Candidates, Query, order
 
 
@@ -37,7 +37,7 @@ class Responder:
     def __init__(self, bundle: Bundle, backend: Any) -> None:
         self.bundle, self.backend = bundle, backend
         self.pipeline = pipeline(bundle, backend)
-        self.default_fusion = "zscore" if self.pipeline.reranker else "retrieval"
+        self.default_fusion = default_fusion(bundle, self.pipeline.reranker is not None)
 
     @classmethod
     def load(

@@ -52,6 +52,9 @@ from evaluation.protocols import choose_zscore_weight, ranks_for, retrieve_and_r
 from index_builder.faiss_index import EXACT, check_index_spec, make_index, recall_vs_exact
 
 ONNX_CHOICES = ("int8", "fp32", "none")
+FUSED = ("zscore", "sum")
+"""The fusions a bundle's default is chosen from, preferred in this order on a tie (the reranker alone
+is the z-score at weight 0)."""
 
 
 def encode_pool(
@@ -89,12 +92,24 @@ def _place_model(spec: str, kind: str, dest: Path, device: str):
     return load_checkpoint(dest, device, expect=kind)
 
 
-def calibrate_zscore(ranking: Pipeline, pairs: Sequence[Pair], n_r: int = 10) -> dict[str, Any]:
-    """Choose the z-score fusion weight with the best hits@1 on held-out pairs whose gold responses are in
-    the pool (the evaluation's own grid search, through the serving pipeline), at ``n_r`` candidates."""
+def calibrate_fusion(
+    ranking: Pipeline, pairs: Sequence[Pair], n_r: int = 10, default: str | None = None
+) -> dict[str, Any]:
+    """Choose the fusion a request gets by default on held-out pairs whose gold responses are in the pool,
+    through the serving pipeline at ``n_r`` candidates: the z-score weight with the best hits@1 (the
+    evaluation's own grid search), then the better of that z-score fusion and the sum by hits@1 (then MRR;
+    a tie keeps the z-score). ``default`` fixes the fusion (a residual reranker is served as a sum) and
+    only the weight is chosen."""
     got = retrieve_and_rerank(pairs, ranking, n_r, n_r)
     weight = choose_zscore_weight(pairs, ranking.keys, got, n_r)
-    return {"zscore_weight": weight, "calibrated_on": f"{len(pairs)} held-out pairs, hits@1 at n_r={n_r}"}
+    measured = {f: summarize(ranks_for(pairs, ranking.keys, got, f, n_r, weight)) for f in FUSED}
+    chosen = default or max(FUSED, key=lambda f: (measured[f]["hits@1"], measured[f]["mrr"]))
+    return {
+        "default": chosen,
+        "zscore_weight": weight,
+        "hits@1": {f: round(m["hits@1"], 2) for f, m in measured.items()},
+        "calibrated_on": f"{len(pairs)} held-out pairs, hits@1 at n_r={n_r}",
+    }
 
 
 def calibrate_lexical(
@@ -265,7 +280,8 @@ def build_bundle(
                 bundle.lexical = ranking.lexical = stage
                 manifest["lexical"] = entry
         if ranking.reranker is not None and calibration:
-            manifest["fusion"] = {**manifest.get("fusion", {}), **calibrate_zscore(ranking, calibration)}
+            fixed = manifest.get("fusion", {}).get("default")  # a residual's sum
+            manifest["fusion"] = calibrate_fusion(ranking, calibration, default=fixed)
         import faiss
 
         faiss.write_index(index, str(tmp / INDEX))

@@ -49,7 +49,12 @@ def describe(path: str | Path) -> list[tuple[str, str]]:
     build, index = m["build"], m["index"]
     added = sum(a["added"] for a in m.get("additions", []))
     recall = ", ".join(f"{k} {v}" for k, v in index["recall_vs_exact"].items()) or "not measured"
-    fusion, guard, prior, lexical = m.get("fusion"), m.get("restatement"), m.get("prior"), m.get("lexical")
+    fusion, guard, prior, lexical = (
+        m.get("fusion", {}),
+        m.get("restatement"),
+        m.get("prior"),
+        m.get("lexical"),
+    )
     sizes = {name: _size(root / name) for name in sorted({f.split("/")[0] for f in m["files"]})}
     lines = [
         ("bundle", f"{root} (version {m['bundle_version']}, {m['format']}, built {build['created']})"),
@@ -67,9 +72,14 @@ def describe(path: str | Path) -> list[tuple[str, str]]:
         ("reranker", _model(m["models"].get("cross"))),
         (
             "fusion",
-            f"z-score weight {fusion['zscore_weight']} ({fusion['calibrated_on']})"
-            if fusion
-            else "default weight",
+            f"{fusion.get('default', 'zscore')} by default, z-score weight "
+            + (
+                f"{fusion['zscore_weight']} ({fusion['calibrated_on']})"
+                if "calibrated_on" in fusion
+                else "not calibrated"
+            )
+            if m["models"].get("cross") or m["models"]["bi"]["model_config"].get("poly_codes")
+            else "retrieval (no rerank stage)",
         ),
         (
             "guard",

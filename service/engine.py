@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from coreply.bundle import Bundle, make_backend, pipeline
+from coreply.bundle import Bundle, default_fusion, make_backend, pipeline
 from coreply.device import resolve_device, set_threads
 from coreply.inference import Backend
 from coreply.ranking import Candidates, Query, order
@@ -42,8 +42,7 @@ class Engine:
         self.threads = threads  # intra-op threads of the backend
         self.active = 0  # requests in respond() now (a replaced engine stops when this reaches 0)
         self.pipeline = pipeline(bundle, backend)
-        fallback = "zscore" if self.pipeline.reranker else "retrieval"
-        self.default_fusion = bundle.manifest.get("fusion", {}).get("default", fallback)  # a residual: sum
+        self.default_fusion = default_fusion(bundle, self.pipeline.reranker is not None)
         self.cascade = (
             Cascade(
                 settings.cascade_high_ms,

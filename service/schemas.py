@@ -64,7 +64,8 @@ def respond_request_model(settings: Settings) -> type[RespondBase]:
                 None,
                 description="final score: retrieval only (the first stage: dense, fused with BM25 where the "
                 "bundle has a lexical stage), rerank only, their sum, or z-score fusion with the bundle's "
-                "calibrated weight; default zscore with a reranker, else retrieval",
+                "calibrated weight; default: with a reranker the one the bundle was calibrated with (sum or "
+                "zscore), else retrieval",
             ),
         ),
         min_retrieval_score=(

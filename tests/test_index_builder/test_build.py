@@ -39,6 +39,32 @@ def test_bundle_round_trip(tiny_bundle):
     assert set(manifest["files"]) == set(hash_tree(tiny_bundle, MANIFEST))
     weight = manifest["fusion"]["zscore_weight"]  # chosen on held-out pairs from the 0.0..1.0 grid
     assert 0.0 <= weight <= 1.0 and round(weight * 10) == weight * 10
+    assert manifest["fusion"]["default"] in ("zscore", "sum")  # the better of the two on those pairs
+
+
+def test_calibration_serves_the_sum_where_it_ranks_better_than_any_z_score_weight():
+    """Three candidates each: the sum of the two models' scores puts the gold first in both lists, while
+    every z-score weight of the 0.0..1.0 grid misses one of them."""
+    from coreply.corpus import Pair
+    from coreply.ranking import Hits, Pipeline
+    from index_builder.build import calibrate_fusion
+
+    texts = ["gold a", "a1", "a2", "b0", "b1", "gold b"]
+    recalled = {"a": ([0, 1, 2], [9.0, 5.0, 2.0]), "b": ([3, 4, 5], [4.0, 2.0, 0.0])}  # ids, scores
+    rerank = dict(zip(texts, [2.0, 0.0, 7.0, 4.0, 1.0, 9.0], strict=True))  # sums 11 5 9 | 8 3 9
+
+    def retrieve(contexts, k):
+        rows = [recalled[c[-1]] for c in contexts]
+        return Hits(np.array([ids for ids, _ in rows]), np.array([scores for _, scores in rows]))
+
+    def score_pairs(contexts, responses, knowledge=None):
+        return np.array([rerank[r] for r in responses])
+
+    ranking = Pipeline(retrieve, texts, [normalize(t) for t in texts], score_pairs)
+    pairs = [Pair(("a",), "gold a"), Pair(("b",), "gold b")]
+    fusion = calibrate_fusion(ranking, pairs, n_r=3)
+    assert fusion["default"] == "sum" and fusion["hits@1"] == {"zscore": 50.0, "sum": 100.0}
+    assert calibrate_fusion(ranking, pairs, n_r=3, default="zscore")["default"] == "zscore"  # fixed
 
 
 def test_duplicates_are_dropped_and_ids_stay_in_order(tmp_path, tiny_core):
