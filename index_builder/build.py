@@ -101,7 +101,7 @@ def calibrate_fusion(
     a tie keeps the z-score). ``default`` fixes the fusion (a residual reranker is served as a sum) and
     only the weight is chosen."""
     got = retrieve_and_rerank(pairs, ranking, n_r, n_r)
-    weight = choose_zscore_weight(pairs, ranking.keys, got, n_r)
+    weight = round(choose_zscore_weight(pairs, ranking.keys, got, n_r), 2)  # 0.7, not 0.7000000000000001
     measured = {f: summarize(ranks_for(pairs, ranking.keys, got, f, n_r, weight)) for f in FUSED}
     chosen = default or max(FUSED, key=lambda f: (measured[f]["hits@1"], measured[f]["mrr"]))
     return {

@@ -91,6 +91,7 @@ def test_a_shipped_reranker_joins_the_default_with_calibrated_fusion(tmp_path, m
     default.build_default_bundle(tmp_path / "b")
     kw = calls[0]
     assert kw["cross"] == str(tiny_core / "cross") and len(kw["calibration"]) == default.CALIBRATION_PAIRS
+    assert kw["calibration"] == kw["lexical_pairs"]  # choices on valid[:2000]; the rest measures
     assert len(kw["prior_pairs"]) == 118_111 and len(kw["guard_pairs"]) == 6_623  # train / valid splits
 
     built = []
