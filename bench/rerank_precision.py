@@ -18,7 +18,6 @@ The first stage's own hits@1 is the ``retrieval`` row.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import tempfile
 import time
@@ -28,6 +27,7 @@ import numpy as np
 import onnx
 
 from bench import provenance  # bench/bench.py: this script's directory is on sys.path
+from coreply.artifacts import write_json_atomic
 from coreply.bundle import BundleError
 from coreply.checkpoint import load_checkpoint
 from coreply.corpus import load_chitchat
@@ -73,8 +73,10 @@ def main() -> None:
     p.add_argument("--variants", nargs="+", default=["fp32", INT8], help="fp32 and/or int8 variants")
     p.add_argument("--keep-fp32", nargs="+", default=[], metavar="REGEX", help="the served int8, these fp32")
     p.add_argument("--weights", type=float, nargs="+", default=[0.3, 0.4, 0.5, 0.6], help="z-score weights")
-    p.add_argument("--out", default=None, help="JSON file to write")
+    p.add_argument("--out", type=Path, default=None, help="JSON file to write")
     args = p.parse_args()
+    if args.out is not None and not args.out.parent.is_dir():
+        raise SystemExit(f"--out: {args.out.parent} is not a folder; create it or name another")
     if args.start < 0 or args.limit < 1:
         raise SystemExit(f"--start must be >= 0 and --limit >= 1, got {args.start} and {args.limit}")
     if bad := [v for v in args.variants if v not in ("fp32", *INT8_VARIANTS)]:
@@ -137,16 +139,16 @@ def main() -> None:
     weights = sorted({*args.weights, ranking.weight})  # and the bundle's calibrated one
     fusions = [("rerank", 0.0), ("sum", 0.0), *[("zscore", w) for w in weights]]
     ref = scores.get("fp32")
-    for variant, s in scores.items():
+    for variant, got in scores.items():
         row: dict = {"ms_per_context": round(ms[variant], 1)}
         if ref is not None:  # how close to fp32
-            ok = ~np.isnan(s) & ~np.isnan(ref)
-            lists = [(a, b) for a, b in zip(s, ref, strict=True) if not np.isnan(a).all()]  # not empty
+            ok = ~np.isnan(got) & ~np.isnan(ref)
+            lists = [(a, b) for a, b in zip(got, ref, strict=True) if not np.isnan(a).all()]  # not empty
             same = [np.nanargmax(a) == np.nanargmax(b) for a, b in lists]
-            row["pearson_with_fp32"] = round(float(np.corrcoef(s[ok], ref[ok])[0, 1]), 4)
+            row["pearson_with_fp32"] = round(float(np.corrcoef(got[ok], ref[ok])[0, 1]), 4)
             row["top1_as_fp32_%"] = round(100 * float(np.mean(same)), 2)
         for fusion, w in fusions:
-            hit = hits_at_1(candidates, s, gold, fusion, w)
+            hit = hits_at_1(candidates, got, gold, fusion, w)
             name = fusion if fusion != "zscore" else f"zscore {w}"
             row[name] = {
                 "hits@1": round(100 * hit.mean(), 2),
@@ -167,7 +169,7 @@ def main() -> None:
         "rows": rows,
     }
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        write_json_atomic(args.out, result)
 
 
 if __name__ == "__main__":

@@ -159,7 +159,7 @@ def main() -> None:
         "--fusion",
         nargs="+",
         default=[],
-        help=f"rerank and fuse by each of {', '.join(allowed)} (default: as served, the bundle's z-score)",
+        help=f"rerank and fuse by each of {', '.join(allowed)} (default: as served, the bundle's default)",
     )
     args = p.parse_args()
     if args.start < 0:

@@ -42,6 +42,16 @@ def _lexical(entry: dict[str, Any] | None) -> str:
     )
 
 
+def _fusion(m: dict[str, Any]) -> str:
+    """What a request gets unless it names a fusion, and the z-score weight."""
+    if not (m["models"].get("cross") or m["models"]["bi"]["model_config"].get("poly_codes")):
+        return "retrieval (no rerank stage)"
+    fusion = m.get("fusion", {})
+    calibrated = "calibrated_on" in fusion
+    weight = f"{fusion['zscore_weight']} ({fusion['calibrated_on']})" if calibrated else "not calibrated"
+    return f"{fusion.get('default', 'zscore')} by default, z-score weight {weight}"
+
+
 def describe(path: str | Path) -> list[tuple[str, str]]:
     """(label, value) lines describing the bundle at ``path`` (its hashes verified first)."""
     root = Path(path)
@@ -49,12 +59,7 @@ def describe(path: str | Path) -> list[tuple[str, str]]:
     build, index = m["build"], m["index"]
     added = sum(a["added"] for a in m.get("additions", []))
     recall = ", ".join(f"{k} {v}" for k, v in index["recall_vs_exact"].items()) or "not measured"
-    fusion, guard, prior, lexical = (
-        m.get("fusion", {}),
-        m.get("restatement"),
-        m.get("prior"),
-        m.get("lexical"),
-    )
+    guard, prior, lexical = m.get("restatement"), m.get("prior"), m.get("lexical")
     sizes = {name: _size(root / name) for name in sorted({f.split("/")[0] for f in m["files"]})}
     lines = [
         ("bundle", f"{root} (version {m['bundle_version']}, {m['format']}, built {build['created']})"),
@@ -70,17 +75,7 @@ def describe(path: str | Path) -> list[tuple[str, str]]:
         ),
         ("retriever", _model(m["models"]["bi"])),
         ("reranker", _model(m["models"].get("cross"))),
-        (
-            "fusion",
-            f"{fusion.get('default', 'zscore')} by default, z-score weight "
-            + (
-                f"{fusion['zscore_weight']} ({fusion['calibrated_on']})"
-                if "calibrated_on" in fusion
-                else "not calibrated"
-            )
-            if m["models"].get("cross") or m["models"]["bi"]["model_config"].get("poly_codes")
-            else "retrieval (no rerank stage)",
-        ),
+        ("fusion", _fusion(m)),
         (
             "guard",
             f"drops answers restating the context: cosine >= {guard['last_turn']} with the last turn or "
