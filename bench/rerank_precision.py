@@ -1,9 +1,11 @@
 """Does int8 cost the reranker what it learned? A bundle's reranker in fp32 and in each int8 variant of
 ONNX Runtime's dynamic quantisation (coreply.inference.INT8_VARIANTS), on the same candidates: the
 bundle's first stage as served (guard on, its own lexical stage and prior) recalls 10 per context once,
-every variant scores those same pairs, and each fusion orders them. ``--keep-fp32 REGEX ...`` adds,
-per pattern, the served variant with the matrix products whose ONNX node name matches left in fp32
-(e.g. ``layer\\.5/`` the last layer, ``/output/dense`` the feed-forward outputs): which ones lose most.
+every variant scores those same pairs, and each fusion orders them. ``torch`` and ``torch-bf16`` are
+the checkpoint itself in PyTorch, fp32 or cast to bf16 (``coreply serve --backend torch-bf16``).
+``--keep-fp32 REGEX ...`` adds, per pattern, the served variant with the matrix products whose ONNX node
+name matches left in fp32 (e.g. ``layer\\.5/`` the last layer, ``/output/dense`` the feed-forward
+outputs): which ones lose most.
 
 Per variant: how close its scores are to fp32's (Pearson r over all pairs; % of lists whose reranked
 top-1 is fp32's), the milliseconds to score one context's 10 pairs (each pair run alone, as served), and
@@ -36,6 +38,7 @@ from coreply.inference import (
     INT8_VARIANTS,
     ONNX_FILES,
     OnnxBackend,
+    TorchBackend,
     _session,
     export_onnx,
     quantize_graph,
@@ -47,6 +50,8 @@ from evaluation.metrics import paired_bootstrap
 
 N_R = 10
 BATCH = 64
+TORCH = ("torch", "torch-bf16")
+VARIANTS = ("fp32", *INT8_VARIANTS, *TORCH)
 
 
 def hits_at_1(
@@ -70,7 +75,7 @@ def main() -> None:
     p.add_argument("--split", default="test", choices=["valid", "test"])
     p.add_argument("--start", type=int, default=0, help="skip the split's first N pairs")
     p.add_argument("--limit", type=int, default=2000, help="N pairs of the split, from --start")
-    p.add_argument("--variants", nargs="+", default=["fp32", INT8], help="fp32 and/or int8 variants")
+    p.add_argument("--variants", nargs="+", default=["fp32", INT8], help="ONNX fp32, int8 variants, torch*")
     p.add_argument("--keep-fp32", nargs="+", default=[], metavar="REGEX", help="the served int8, these fp32")
     p.add_argument("--weights", type=float, nargs="+", default=[0.3, 0.4, 0.5, 0.6], help="z-score weights")
     p.add_argument("--out", type=Path, default=None, help="JSON file to write")
@@ -79,8 +84,8 @@ def main() -> None:
         raise SystemExit(f"--out: {args.out.parent} is not a folder; create it or name another")
     if args.start < 0 or args.limit < 1:
         raise SystemExit(f"--start must be >= 0 and --limit >= 1, got {args.start} and {args.limit}")
-    if bad := [v for v in args.variants if v not in ("fp32", *INT8_VARIANTS)]:
-        raise SystemExit(f"--variants: each one of fp32, {', '.join(INT8_VARIANTS)}, got {' '.join(bad)}")
+    if bad := [v for v in args.variants if v not in VARIANTS]:
+        raise SystemExit(f"--variants: each one of {', '.join(VARIANTS)}, got {' '.join(bad)}")
     if bad_w := [w for w in args.weights if not 0 <= w <= 1]:
         raise SystemExit(f"--weights: each between 0 and 1, got {bad_w}")
     try:
@@ -107,7 +112,7 @@ def main() -> None:
         export_onnx(bi, cross, Path(tmp), "fp32")  # type: ignore[arg-type]
         fp32 = Path(tmp) / ONNX_FILES["cross"]
         products = [n.name for n in onnx.load(fp32).graph.node if n.op_type in ("MatMul", "Gemm")]
-        variants = {v: None if v == "fp32" else (v, []) for v in args.variants}
+        variants = {v: None if v in ("fp32", *TORCH) else (v, []) for v in args.variants}
         for k in keep:
             if not (nodes := [n for n in products if k.search(n)]):
                 raise SystemExit(f"--keep-fp32 {k.pattern}: matches no matrix product in the reranker")
@@ -119,10 +124,16 @@ def main() -> None:
             candidates += ranking.recall(queries[s : s + BATCH], [N_R] * len(queries[s : s + BATCH]))
         print(f"{len(pairs)} contexts recalled", flush=True)
         for variant, how in variants.items():
-            path = fp32 if how is None else Path(tmp) / f"variant-{len(scores)}.onnx"
-            if how is not None:
-                quantize_graph(fp32, path, *how)
-            backend.cross = _session(path, 1, cuda=False)
+            if variant in TORCH:  # a fresh copy: bf16 casts the model in place
+                model = load_checkpoint(bot.bundle.model_dir("cross"), "cpu", expect="cross")
+                torch_backend = TorchBackend(bi, model, bf16=variant == "torch-bf16")  # type: ignore[arg-type]
+                ranking.score_pairs = torch_backend.score_pairs
+            else:
+                path = fp32 if how is None else Path(tmp) / f"variant-{len(scores)}.onnx"
+                if how is not None:
+                    quantize_graph(fp32, path, *how)
+                backend.cross = _session(path, 1, cuda=False)
+                ranking.score_pairs = backend.score_pairs
             start = time.perf_counter()
             for s in range(0, len(queries), BATCH):
                 ranking.rerank(queries[s : s + BATCH], candidates[s : s + BATCH], N_R)

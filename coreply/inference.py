@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from coreply.device import cpu_has_bf16_matmul
+from coreply.device import cpu_has_bf16_dot
 from coreply.knowledge import KnowledgeSelector
 from coreply.models import BiEncoder, CrossEncoder, PolyEncoder, batched
 from coreply.tokenization import Batch, DialogueTokenizer, score_by_tokens
@@ -83,8 +83,8 @@ class _Knowledge:
 
 class TorchBackend(_Knowledge):
     """The models themselves: bf16 autocast on CUDA (the same numerics as training); on a CPU fp32, or with
-    ``bf16`` the weights cast to bf16 (fast where the CPU multiplies bf16 in hardware:
-    :func:`coreply.device.cpu_has_bf16_matmul`). Outputs are float32 either way."""
+    ``bf16`` the weights cast to bf16 (faster than fp32 where the CPU has bf16 instructions:
+    :func:`coreply.device.cpu_has_bf16_dot`). Outputs are float32 either way."""
 
     def __init__(
         self,
@@ -97,8 +97,10 @@ class TorchBackend(_Knowledge):
         ``max_batch_tokens`` overrides the reranker's padded tokens a batch."""
         self.name = "torch-bf16" if bf16 else "torch"
         if bf16 and bi.device.type == "cpu":  # CUDA already runs bf16 under autocast
-            if not cpu_has_bf16_matmul():
-                log.warning("torch-bf16: this CPU has no bf16 matrix units (AMX), so bf16 runs slowly here")
+            if not cpu_has_bf16_dot():
+                log.warning(
+                    "torch-bf16: this CPU has no bf16 instructions (AVX-512 BF16, AMX): bf16 is slow here"
+                )
             bi, cross = bi.to(torch.bfloat16), cross.to(torch.bfloat16) if cross is not None else None
         self.bi, self.cross = bi, cross
         self.cpu_torch = bi.device.type == "cpu"
