@@ -92,6 +92,9 @@ def main() -> None:
         keep = [re.compile(k) for k in args.keep_fp32]
     except re.error as exc:
         raise SystemExit(f"--keep-fp32: not a regular expression ({exc})") from None
+    pairs = load_chitchat()[args.split][args.start : args.start + args.limit]
+    if not pairs:
+        raise SystemExit(f"--start {args.start}: the {args.split} split has fewer pairs; give a smaller one")
     try:
         bot = Responder.load(args.bundle, backend="onnx")
     except BundleError as exc:
@@ -100,7 +103,6 @@ def main() -> None:
     if not isinstance(backend, OnnxBackend) or backend.cross is None:
         raise SystemExit(f"--bundle {args.bundle}: needs a reranker exported to ONNX")
 
-    pairs = load_chitchat()[args.split][args.start : args.start + args.limit]
     position = {key: i for i, key in enumerate(ranking.keys)}
     gold = [position.get(normalize(p.response), -1) for p in pairs]
 

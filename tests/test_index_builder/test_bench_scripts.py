@@ -77,6 +77,7 @@ def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):
         ("rerank_precision.py", ["--weights", "0.5", "2"], "--weights: "),
         ("rerank_precision.py", ["--keep-fp32", "("], "--keep-fp32: "),
         ("rerank_precision.py", ["--out", str(tmp_path / "no/x.json")], "--out: "),
+        ("rerank_precision.py", ["--start", "100000"], "--start 100000: "),
         (
             "rerank_precision.py",
             ["--bundle", str(tiny_bundle), "--keep-fp32", "nowhere"],
