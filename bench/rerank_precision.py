@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import re
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -43,30 +42,14 @@ from coreply.inference import (
     export_onnx,
     quantize_graph,
 )
-from coreply.ranking import Candidates, Query, fuse
 from coreply.responder import Responder
 from coreply.text import normalize
 from evaluation.metrics import paired_bootstrap
+from evaluation.protocols import Retrieved, ranks_for, rerank, retrieve_and_rerank
 
 N_R = 10
-BATCH = 64
 TORCH = ("torch", "torch-bf16")
 VARIANTS = ("fp32", *INT8_VARIANTS, *TORCH)
-
-
-def hits_at_1(
-    candidates: list[Candidates], scores: np.ndarray | None, gold: list[int], fusion: str, w: float
-) -> np.ndarray:
-    """[N] 1.0 where the top candidate under ``fusion`` (rerank ``scores`` [N, N_R], NaN past a short
-    list) is the gold pool id; ``gold[i]`` is -1 when the gold is not in the pool."""
-    out = np.zeros(len(candidates))
-    for i, c in enumerate(candidates):
-        first = c.first_stage[:N_R]
-        if not len(first):
-            continue
-        final = first if scores is None else fuse(fusion, first, scores[i, : len(first)], w)
-        out[i] = float(c.ids[int(np.argmax(final))] == gold[i])  # argmax: ties keep first-stage order
-    return out
 
 
 def main() -> None:
@@ -103,11 +86,15 @@ def main() -> None:
     if not isinstance(backend, OnnxBackend) or backend.cross is None:
         raise SystemExit(f"--bundle {args.bundle}: needs a reranker exported to ONNX")
 
-    position = {key: i for i, key in enumerate(ranking.keys)}
-    gold = [position.get(normalize(p.response), -1) for p in pairs]
+    in_pool = set(ranking.keys)
+    gold_in_pool = float(np.mean([normalize(p.response) in in_pool for p in pairs]))
 
+    def hits_at_1(got: Retrieved, fusion: str, w: float = 0.0) -> np.ndarray:
+        """[N] 1.0 where the gold is the first answer under ``fusion`` of the first N_R."""
+        return (np.array(ranks_for(pairs, ranking.keys, got, fusion, N_R, w)) == 1).astype(float)
+
+    reranked: dict[str, Retrieved] = {}
     scores: dict[str, np.ndarray] = {}  # variant -> [N, N_R] rerank scores, NaN past a short list
-    ms: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         bi = load_checkpoint(bot.bundle.model_dir("bi"), "cpu", expect="bi")
         cross = load_checkpoint(bot.bundle.model_dir("cross"), "cpu", expect="cross")
@@ -120,10 +107,7 @@ def main() -> None:
                 raise SystemExit(f"--keep-fp32 {k.pattern}: matches no matrix product in the reranker")
             variants[f"{INT8}, fp32: {k.pattern}"] = (INT8, nodes)
 
-        queries = [Query(tuple(p.context)) for p in pairs]
-        candidates: list[Candidates] = []
-        for s in range(0, len(queries), BATCH):
-            candidates += ranking.recall(queries[s : s + BATCH], [N_R] * len(queries[s : s + BATCH]))
+        recalled = retrieve_and_rerank(pairs, ranking, N_R, 0)
         print(f"{len(pairs)} contexts recalled", flush=True)
         for variant, how in variants.items():
             if variant in TORCH:  # a fresh copy: bf16 casts the model in place
@@ -136,32 +120,30 @@ def main() -> None:
                     quantize_graph(fp32, path, *how)
                 backend.cross = _session(path, 1, cuda=False)
                 ranking.score_pairs = backend.score_pairs
-            start = time.perf_counter()
-            for s in range(0, len(queries), BATCH):
-                ranking.rerank(queries[s : s + BATCH], candidates[s : s + BATCH], N_R)
-            ms[variant] = 1000 * (time.perf_counter() - start) / len(queries)
-            scores[variant] = np.full((len(queries), N_R), np.nan)
-            for i, c in enumerate(candidates):
+            got = reranked[variant] = rerank(pairs, recalled, ranking, N_R)
+            scores[variant] = np.full((len(pairs), N_R), np.nan)
+            for i, c in enumerate(got.candidates):
                 scores[variant][i, : len(c.rerank)] = c.rerank  # type: ignore[arg-type]
-            print(f"{variant}: {ms[variant]:.0f} ms a context", flush=True)
+            print(f"{variant}: {1000 * got.rerank_s / len(pairs):.0f} ms a context", flush=True)
 
-    base = hits_at_1(candidates, None, gold, "retrieval", 0)
+    base = hits_at_1(recalled, "retrieval")
     rows: dict[str, dict] = {
         "retrieval": {"hits@1": round(100 * base.mean(), 2), "top1_cases": np.flatnonzero(base).tolist()}
     }
     weights = sorted({*args.weights, ranking.weight})  # and the bundle's calibrated one
     fusions = [("rerank", 0.0), ("sum", 0.0), *[("zscore", w) for w in weights]]
     ref = scores.get("fp32")
-    for variant, got in scores.items():
-        row: dict = {"ms_per_context": round(ms[variant], 1)}
+    for variant, got in reranked.items():
+        row: dict = {"ms_per_context": round(1000 * got.rerank_s / len(pairs), 1)}
         if ref is not None:  # how close to fp32
-            ok = ~np.isnan(got) & ~np.isnan(ref)
-            lists = [(a, b) for a, b in zip(got, ref, strict=True) if not np.isnan(a).all()]  # not empty
+            mine = scores[variant]
+            ok = ~np.isnan(mine) & ~np.isnan(ref)
+            lists = [(a, b) for a, b in zip(mine, ref, strict=True) if not np.isnan(a).all()]  # not empty
             same = [np.nanargmax(a) == np.nanargmax(b) for a, b in lists]
-            row["pearson_with_fp32"] = round(float(np.corrcoef(got[ok], ref[ok])[0, 1]), 4)
+            row["pearson_with_fp32"] = round(float(np.corrcoef(mine[ok], ref[ok])[0, 1]), 4)
             row["top1_as_fp32_%"] = round(100 * float(np.mean(same)), 2)
         for fusion, w in fusions:
-            hit = hits_at_1(candidates, got, gold, fusion, w)
+            hit = hits_at_1(got, fusion, w)
             name = fusion if fusion != "zscore" else f"zscore {w}"
             row[name] = {
                 "hits@1": round(100 * hit.mean(), 2),
@@ -178,7 +160,7 @@ def main() -> None:
         "pairs": f"{args.split}[{args.start}:{args.start + len(pairs)}]",
         "first_stage": {"lexical": bot.bundle.manifest.get("lexical"), "guard": "on"},
         "served_weight": ranking.weight,
-        "gold_in_pool_%": round(100 * float(np.mean(np.array(gold) >= 0)), 2),
+        "gold_in_pool_%": round(100 * gold_in_pool, 2),
         "rows": rows,
     }
     if args.out:

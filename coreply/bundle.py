@@ -544,16 +544,24 @@ def _readable(index: Any, root: Path) -> None:
         ) from exc
 
 
-def default_fusion(bundle: Bundle, reranks: bool) -> str:
-    """The fusion a request gets unless it names one: with a rerank stage (``reranks``) the one the bundle
-    was calibrated with (a residual reranker's sum), else z-score; without, retrieval."""
-    return bundle.manifest.get("fusion", {}).get("default", "zscore") if reranks else "retrieval"
+def rerank_stage(manifest: dict[str, Any]) -> str | None:
+    """The rerank stage a bundle's :func:`pipeline` gets: ``cross`` when it has a cross-encoder, else
+    ``poly`` when its retriever is a Poly-encoder, else None (retrieval only)."""
+    if manifest["models"].get("cross"):
+        return "cross"
+    return "poly" if manifest["models"]["bi"]["model_config"].get("poly_codes") else None
+
+
+def default_fusion(manifest: dict[str, Any]) -> str:
+    """The fusion a request gets unless it names one: with a rerank stage the one the bundle was
+    calibrated with (a residual reranker's sum), else z-score; without, retrieval."""
+    return manifest.get("fusion", {}).get("default", "zscore") if rerank_stage(manifest) else "retrieval"
 
 
 def pipeline(bundle: Bundle, backend: Any, index: Any = None) -> Pipeline:
     """The bundle's ranking pipeline on ``backend`` (over ``index``, default the bundle's own), with the
-    z-score weight and restatement guard it was calibrated with. The rerank stage is the cross-encoder if
-    the bundle has one, else the poly stage if its retriever is a Poly-encoder."""
+    z-score weight and restatement guard it was calibrated with, and the rerank stage of
+    :func:`rerank_stage`."""
     from coreply.ranking import ZSCORE_WEIGHT, Pipeline
 
     weight = float(bundle.manifest.get("fusion", {}).get("zscore_weight", ZSCORE_WEIGHT))

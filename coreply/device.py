@@ -71,10 +71,10 @@ def _cpu_supports(*features: str) -> bool:
 def cpu_has_bf16_dot() -> bool:
     """Whether this CPU has bf16 dot-product instructions (AVX-512 BF16, or AMX tiles): there a bf16 matmul
     of a block of queries against the pool runs about three times faster than float32's (the exact
-    search's first pass, docs/performance.md section 16), and a model cast to bf16 stays much closer to
-    fp32 than the int8 ONNX graphs: with AMX it beats them on large batches (§10); with AVX-512 BF16
-    alone it is 1.8 times faster than fp32 and 1.4 times slower than int8 (docs/results.md §40.5).
-    Elsewhere bf16 is emulated and slow."""
+    search's first pass, docs/performance.md §16), and a model cast to bf16 stays much closer to fp32
+    than the int8 ONNX graphs: with AMX it beats them on large batches (docs/performance.md §10); with
+    AVX-512 BF16 alone it is 1.8 times faster than fp32 and 1.4 times slower than int8 (docs/results.md
+    §40.5). Elsewhere bf16 is emulated and slow."""
     return _cpu_supports("avx512_bf16", "amx_tile")
 
 

@@ -37,7 +37,7 @@ class Responder:
     def __init__(self, bundle: Bundle, backend: Any) -> None:
         self.bundle, self.backend = bundle, backend
         self.pipeline = pipeline(bundle, backend)
-        self.default_fusion = default_fusion(bundle, self.pipeline.reranker is not None)
+        self.default_fusion = default_fusion(bundle.manifest)
 
     @classmethod
     def load(

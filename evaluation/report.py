@@ -162,7 +162,7 @@ def run_eval(spec: EvalSpec) -> dict[str, Any]:
                     # Rerank time scales with n_r: charge each n_r its share of the measured rerank time.
                     ms = per_case_ms + 1000 * reranked.rerank_s / len(spec.test) * n_r / max(spec.n_r)
                     weight = (
-                        choose_zscore_weight(spec.valid, keys, valid_reranked, n_r)
+                        choose_zscore_weight(spec.valid, keys, valid_reranked, n_r)[0]
                         if valid_reranked
                         else ZSCORE_WEIGHT
                     )

@@ -101,8 +101,8 @@ def calibrate_fusion(
     a tie keeps the z-score). ``default`` fixes the fusion (a residual reranker is served as a sum) and
     only the weight is chosen."""
     got = retrieve_and_rerank(pairs, ranking, n_r, n_r)
-    weight = round(choose_zscore_weight(pairs, ranking.keys, got, n_r), 2)  # 0.7, not 0.7000000000000001
-    measured = {f: summarize(ranks_for(pairs, ranking.keys, got, f, n_r, weight)) for f in FUSED}
+    weight, grid = choose_zscore_weight(pairs, ranking.keys, got, n_r)
+    measured = {"zscore": grid[weight], "sum": summarize(ranks_for(pairs, ranking.keys, got, "sum", n_r))}
     chosen = default or max(FUSED, key=lambda f: (measured[f]["hits@1"], measured[f]["mrr"]))
     return {
         "default": chosen,
@@ -125,11 +125,8 @@ def calibrate_lexical(
     got = retrieve_and_rerank(pairs, ranking, depth, 0)
     for pair, c in zip(pairs, got.candidates, strict=True):
         c.rerank = stage.scores(pair.context, [ranking.texts[i] for i in c.ids])
-    chosen = round(choose_zscore_weight(pairs, ranking.keys, got, depth), 2)  # 0.6, not 0.6000000000000001
-    hits = {
-        name: round(summarize(ranks_for(pairs, ranking.keys, got, "zscore", depth, w))["hits@1"], 2)
-        for name, w in (("dense", 1.0), ("with lexical", chosen))
-    }
+    chosen, grid = choose_zscore_weight(pairs, ranking.keys, got, depth)
+    hits = {name: round(grid[w]["hits@1"], 2) for name, w in (("dense", 1.0), ("with lexical", chosen))}
     calibrated = f"{len(pairs)} held-out pairs, hits@1 of the first answer"
     entry |= {"weight": chosen, "calibrated_on": calibrated, "hits@1": hits}
     return replace(stage, weight=chosen), entry

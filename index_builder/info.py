@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from coreply.bundle import read_manifest
+from coreply.bundle import default_fusion, read_manifest, rerank_stage
 
 
 def _size(path: Path) -> int:
@@ -44,12 +44,12 @@ def _lexical(entry: dict[str, Any] | None) -> str:
 
 def _fusion(m: dict[str, Any]) -> str:
     """What a request gets unless it names a fusion, and the z-score weight."""
-    if not (m["models"].get("cross") or m["models"]["bi"]["model_config"].get("poly_codes")):
+    if rerank_stage(m) is None:
         return "retrieval (no rerank stage)"
     fusion = m.get("fusion", {})
     calibrated = "calibrated_on" in fusion
     weight = f"{fusion['zscore_weight']} ({fusion['calibrated_on']})" if calibrated else "not calibrated"
-    return f"{fusion.get('default', 'zscore')} by default, z-score weight {weight}"
+    return f"{default_fusion(m)} by default, z-score weight {weight}"
 
 
 def describe(path: str | Path) -> list[tuple[str, str]]:

@@ -42,7 +42,7 @@ class Engine:
         self.threads = threads  # intra-op threads of the backend
         self.active = 0  # requests in respond() now (a replaced engine stops when this reaches 0)
         self.pipeline = pipeline(bundle, backend)
-        self.default_fusion = default_fusion(bundle, self.pipeline.reranker is not None)
+        self.default_fusion = default_fusion(bundle.manifest)
         self.cascade = (
             Cascade(
                 settings.cascade_high_ms,

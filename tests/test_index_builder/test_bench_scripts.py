@@ -145,37 +145,10 @@ def test_rerank_precision_scores_the_same_candidates_in_each_precision(tmp_path,
         assert row["ms_per_context"] > 0 and -1 <= row["pearson_with_fp32"] <= 1
         assert {k for k, v in row.items() if isinstance(v, dict)} == fusions
         assert all(0 <= row[f]["hits@1"] <= 100 and 0 <= row[f]["p_gains"] <= 1 for f in fusions)
-
-
-def test_rerank_precision_counts_the_top_candidate_under_each_fusion(monkeypatch):
-    import importlib.util
-
-    import numpy as np
-
-    from coreply.ranking import Candidates
-
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # as when run as a script: `from bench import ...`
-    monkeypatch.delitem(sys.modules, "bench", raising=False)
-    spec = importlib.util.spec_from_file_location("rerank_precision", ROOT / "bench" / "rerank_precision.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    # the first stage puts 5 first; the reranker prefers 9 (a NaN pads the short second list)
-    candidates = [
-        Candidates(np.array([5, 7, 9]), np.array([3.0, 2.0, 1.0])),
-        Candidates(np.array([4]), np.array([1.0])),
-    ]
-    scores = np.full((2, module.N_R), np.nan)
-    scores[0, :3], scores[1, 0] = [0.0, 1.0, 5.0], 0.0
-    gold = [9, 4]
-    assert module.hits_at_1(candidates, None, gold, "retrieval", 0).tolist() == [0.0, 1.0]
-    assert module.hits_at_1(candidates, scores, gold, "rerank", 0).tolist() == [1.0, 1.0]
-    assert module.hits_at_1(candidates, scores, gold, "sum", 0).tolist() == [1.0, 1.0]  # 3 + 0 < 1 + 5
-    assert module.hits_at_1(candidates, scores, gold, "zscore", 1.0).tolist() == [0.0, 1.0]  # retrieval alone
-    assert module.hits_at_1(candidates, scores, [-1, -1], "rerank", 0).tolist() == [
-        0.0,
-        0.0,
-    ]  # gold not in pool
+        for f in fusions:  # paired with the first stage's top-1 cases: every gain and loss is counted
+            cases, base = set(row[f]["top1_cases"]), set(rows["retrieval"]["top1_cases"])
+            assert (row[f]["wins"], row[f]["losses"]) == (len(cases - base), len(base - cases))
+            assert row[f]["hits@1"] == round(100 * len(cases) / 6, 2)
 
 
 def test_response_prior_sweep_measures_every_setting_against_no_prior(tmp_path, tiny_bundle):
