@@ -44,10 +44,9 @@ from coreply.bundle import BACKENDS
 from coreply.checkpoint import load_bi
 from coreply.config import ZERO_SHOT
 from coreply.corpus import load_chitchat
-from coreply.knowledge import unigram_f1
 from coreply.ranking import FUSIONS, Query, order
 from coreply.responder import Responder
-from coreply.text import normalize
+from coreply.text import normalize, unigram_f1
 from evaluation.metrics import paired_bootstrap
 from evaluation.restatement import RestatementJudge
 
@@ -101,7 +100,7 @@ def sweep(args: argparse.Namespace) -> None:
     if ranking.guard is None:
         raise SystemExit(f"{args.bundle}: this bundle has no restatement guard (rebuild it)")
     splits = load_chitchat()
-    last, earlier = restatement.human_closeness(bot.backend.encode_responses, splits["valid"])
+    human = restatement.human_closeness(bot.backend.encode_responses, splits["valid"])
     pairs = splits[args.split][args.start : args.start + args.limit]
     contexts = [p.context for p in pairs]
     gold = [normalize(p.response) for p in pairs]
@@ -115,7 +114,7 @@ def sweep(args: argparse.Namespace) -> None:
     }
     print("gold replies", result["gold"], flush=True)
     for q in args.quantiles:
-        entry = restatement.guard_entry(last, earlier, q)
+        entry = restatement.guard_entry(*human, q)
         ranking.guard = restatement.Guard.of(entry)
         ranked, top = top_answers(ranking, pairs)
         hits = np.array([r[:1] == [g] for r, g in zip(ranked, gold, strict=True)], dtype=float)
@@ -134,7 +133,7 @@ def sweep(args: argparse.Namespace) -> None:
         "split": args.split,
         "pairs": f"[{args.start}:{args.start + len(pairs)}]",
         "pool": len(ranking.texts),
-        "calibrated_on": f"valid[:{len(last)}]",
+        "calibrated_on": f"valid[:{len(human[0])}]",
         "date": dt.date.today().isoformat(),
         "machine": f"{platform.machine()} {platform.system()}",
     }

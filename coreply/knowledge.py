@@ -4,7 +4,8 @@
 * :class:`KnowledgeSelector`: the knowledge retriever's pick, the top-m sentences for a context by the
   scaled dot product of one shared encoder (paper Eq. 1-2); the reranker then reads them before the
   context (:meth:`~coreply.tokenization.DialogueTokenizer.knowledge_body`).
-* :func:`unigram_f1`: the heuristic rho(k, r) the reciprocal learner adds to the ranker's feedback (Eq. 10).
+* :func:`coreply.text.unigram_f1`: the heuristic rho(k, r) the reciprocal learner adds to the ranker's
+  feedback (Eq. 10).
 * :func:`load_chitchat_persona`: knowledge for the built-in corpus without labels. For every reply, the
   conversation's prompt and what the *replying speaker* wrote in other (training) conversations.
 """
@@ -13,8 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -23,10 +23,9 @@ import numpy as np
 import torch
 
 from coreply.corpus import SPLITS, Pair, chitchat_path, speaker_turns, split_of
-from coreply.text import normalize
+from coreply.text import normalize, words
 from coreply.vectors import TextVectors
 
-_WORD = re.compile(r"[a-z0-9']+")
 DEFAULT_TOP_M = 5  # RecKGC's m
 
 
@@ -37,20 +36,6 @@ def trained_top_m(cross_dir: str | Path) -> int:
 
     trained = read_meta(cross_dir, verify=False).get("extra", {}).get("grounded_config", {})
     return int(trained.get("top_m") or DEFAULT_TOP_M)
-
-
-def words(text: str) -> list[str]:
-    return _WORD.findall(text.lower())
-
-
-def unigram_f1(a: str, b: str) -> float:
-    """Unigram F1 between two texts (lower-cased words; RecKGC's rho)."""
-    x, y = Counter(words(a)), Counter(words(b))
-    common = sum((x & y).values())
-    if not common:
-        return 0.0
-    precision, recall = common / sum(x.values()), common / sum(y.values())
-    return 2 * precision * recall / (precision + recall)
 
 
 class KnowledgeSelector:

@@ -197,6 +197,7 @@ class Pipeline:
             if guard
             else None
         )
+        self._word_sets: restatement.WordSets | None = None
         self.reranker = "cross" if score_pairs is not None else "poly" if poly else None
         self.timings: dict[str, float] = {}
         """Seconds per stage of the last :meth:`recall`: the retriever's (``encode``, ``search``, summed
@@ -259,6 +260,12 @@ class Pipeline:
             c, ids=c.ids[best], retrieval=c.retrieval[best], lexical=bm25[best], hybrid=fused[best]
         )
 
+    def word_sets(self) -> restatement.WordSets:
+        """The pool's distinct words, read on first use (by a guard that counts words)."""
+        if self._word_sets is None:
+            self._word_sets = restatement.WordSets(self.texts)
+        return self._word_sets
+
     def _answerable(self, queries: Sequence[Query], ids: np.ndarray) -> list[list[int]]:
         """Per query, the positions of its hit ``ids`` [B, k] that :meth:`Query.keep` allows and, unless
         the query allows restatements, that do not restate its context (one guard call for all)."""
@@ -269,6 +276,7 @@ class Pipeline:
         masks = restatement.restating(
             self._turns,
             self.retrieve.vectors,  # type: ignore[attr-defined]
+            self.word_sets,
             [queries[i].context for i in guarded],
             [ids[i][keep[i]] for i in guarded],
             self.guard,

@@ -1,12 +1,29 @@
-"""Text normalisation shared by the pool de-duplication, hit matching and the echo filter."""
+"""Text normalisation shared by the pool de-duplication, hit matching and the echo filter, and the word
+overlap the restatement guard and the knowledge-grounded learner measure."""
 
 from __future__ import annotations
 
 import re
+from collections import Counter
 
 _WS = re.compile(r"\s+")
+_WORD = re.compile(r"[a-z0-9']+")
 
 
 def normalize(text: str) -> str:
     """Lowercase and collapse whitespace: two responses are 'the same' iff this is equal."""
     return _WS.sub(" ", text).strip().lower()
+
+
+def words(text: str) -> list[str]:
+    return _WORD.findall(text.lower())
+
+
+def unigram_f1(a: str, b: str) -> float:
+    """Unigram F1 between two texts (lower-cased words; RecKGC's rho)."""
+    x, y = Counter(words(a)), Counter(words(b))
+    common = sum((x & y).values())
+    if not common:
+        return 0.0
+    precision, recall = common / sum(x.values()), common / sum(y.values())
+    return 2 * precision * recall / (precision + recall)

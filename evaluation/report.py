@@ -286,13 +286,17 @@ def render_markdown(
     ]
     if guards:
         thresholds = "; ".join(
-            f"{n}: last turn {g['last_turn']}, earlier turns {g['earlier_turns']} (quantile {g['quantile']}, "
-            f"{g['calibrated_on']}, {100 * g['human_replies_dropped']:.2f} % of them dropped)"
+            f"{n}: last turn {g['last_turn']}, earlier turns {g['earlier_turns']} "
+            f"(quantile {g['quantile']}), "
+            f"words {g.get('words_last_turn', 'unchecked')} (quantile {g.get('words_quantile', '-')}); "
+            f"{g['calibrated_on']}, {100 * g['human_replies_dropped']:.2f} % of them dropped"
             for n, g in guards
         )
         lines += [
             "+ guard: protocol B recall without the candidates as close to the context's last turn, or to "
-            "an earlier turn, as that quantile of held-out human replies are, under the row's own retriever "
+            "an earlier turn, as that quantile of held-out human replies are, under the row's own retriever, "
+            "or sharing as many of the last turn's words (F1 of distinct words) as the words quantile of "
+            "them "
             f"(coreply/restatement.py): {thresholds}. Every rerank row of such a run reranks the guarded "
             "recall.",
             "",

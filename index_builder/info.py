@@ -52,6 +52,23 @@ def _fusion(m: dict[str, Any]) -> str:
     return f"{default_fusion(m)} by default, z-score weight {weight}"
 
 
+def _guard(entry: dict[str, Any] | None) -> str:
+    if not entry:
+        return "none (restatements of the context are not dropped)"
+    words = (
+        f", or F1 of distinct words >= {entry['words_last_turn']} with the last turn "
+        f"(its {entry['words_quantile']} quantile)"
+        if "words_last_turn" in entry
+        else ""
+    )
+    return (
+        f"drops answers restating the context: cosine >= {entry['last_turn']} with the last turn or "
+        f">= {entry['earlier_turns']} with an earlier one (the {entry['quantile']} quantiles of human "
+        f"replies){words}; {entry['calibrated_on']}, "
+        f"{100 * entry['human_replies_dropped']:.2f} % of them dropped"
+    )
+
+
 def describe(path: str | Path) -> list[tuple[str, str]]:
     """(label, value) lines describing the bundle at ``path`` (its hashes verified first)."""
     root = Path(path)
@@ -76,14 +93,7 @@ def describe(path: str | Path) -> list[tuple[str, str]]:
         ("retriever", _model(m["models"]["bi"])),
         ("reranker", _model(m["models"].get("cross"))),
         ("fusion", _fusion(m)),
-        (
-            "guard",
-            f"drops answers restating the context: cosine >= {guard['last_turn']} with the last turn or "
-            f">= {guard['earlier_turns']} with an earlier one, the {guard['quantile']} quantiles of human "
-            f"replies ({guard['calibrated_on']}, {100 * guard['human_replies_dropped']:.2f} % dropped)"
-            if guard
-            else "none (restatements of the context are not dropped)",
-        ),
+        ("guard", _guard(guard)),
         (
             "prior",
             f"retrieval scores less {prior['alpha']} x each response's mean score against its "

@@ -12,9 +12,10 @@ from fastapi.testclient import TestClient
 from coreply.checkpoint import load_checkpoint
 from coreply.config import ModelConfig
 from coreply.corpus import Pair, split_of
-from coreply.knowledge import KnowledgeSelector, load_chitchat_persona, unigram_f1
+from coreply.knowledge import KnowledgeSelector, load_chitchat_persona
 from coreply.models import BiEncoder, CrossEncoder
 from coreply.responder import Responder
+from coreply.text import unigram_f1
 from evaluation.grounded import evaluate_grounded, significance
 from service.app import create_app
 from service.settings import Settings

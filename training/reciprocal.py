@@ -34,8 +34,9 @@ from coreply.artifacts import write_json_atomic
 from coreply.checkpoint import load_checkpoint, save_checkpoint
 from coreply.corpus import NegativeSampler, Pair
 from coreply.device import autocast, resolve_device
-from coreply.knowledge import KnowledgeSelector, unigram_f1
+from coreply.knowledge import KnowledgeSelector
 from coreply.models import BiEncoder, CrossEncoder
+from coreply.text import unigram_f1
 from training.config import GroundedConfig
 
 

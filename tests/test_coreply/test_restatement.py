@@ -60,7 +60,10 @@ def test_calibration_takes_quantiles_of_human_replies_per_position_and_refuses_n
     assert guard["earlier_turns"] == pytest.approx(median, abs=1e-4)
     assert guard["human_replies_dropped"] == 1.0  # each threshold takes half: the closest and the farthest
     assert guard["quantile"] == 0.5 and guard["calibrated_on"] == "4 held-out pairs"
-    assert restatement.Guard.of(guard) == restatement.Guard(guard["last_turn"], guard["earlier_turns"])
+    assert guard["words_last_turn"] == 0.0  # no reply shares a word with "question": none is dropped for it
+    assert restatement.Guard.of(guard) == restatement.Guard(guard["last_turn"], guard["earlier_turns"], 0.0)
+    del guard["words_last_turn"]  # a bundle built before the words threshold: its guard does not count words
+    assert restatement.Guard.of(guard).words == float("inf")
     with pytest.raises(ValueError, match="quantile"):
         restatement.calibrate(ToyRetriever().encode_responses, pairs, 1.0)
     with pytest.raises(ValueError, match="held-out pairs"):
@@ -104,6 +107,25 @@ def test_guarded_recall_drops_restatements_of_the_last_turns_unless_a_query_allo
     assert retriever.asked == [2 + len(far) + restatement.MARGIN]  # one call: nobody was left short
     plain = Pipeline(retriever, POOL, [normalize(t) for t in POOL])
     assert plain.recall(queries[:1], [2])[0].ids.tolist() == [0, 1]
+
+
+def test_the_guard_drops_a_candidate_sharing_the_last_turns_words_however_far_its_vector():
+    # "filler 7" is 70+ degrees from every other filler, yet they share the word "filler" (unigram F1 0.5)
+    retriever = ToyRetriever()
+    words = Pipeline(
+        retriever, POOL, [normalize(t) for t in POOL], guard=restatement.Guard(COS25, COS25, 0.5)
+    )
+    query = [Query(("filler 7",))]
+    assert words.recall(query, [6])[0].ids.tolist() == [0, 1, 2, 3, 4]  # the fillers, all of them, dropped
+    assert guarded(retriever).recall(query, [6])[0].ids.tolist() == [0, 1, 2, 3, 4, 5]  # cosine alone
+    strict = Pipeline(
+        retriever, POOL, [normalize(t) for t in POOL], guard=restatement.Guard(COS25, COS25, 0.51)
+    )
+    assert strict.recall(query, [6])[0].ids.tolist() == [0, 1, 2, 3, 4, 5]  # F1 0.5 is under 0.51
+    texts = ["Yep a new puppy!", "what breed?", "", "a new puppy, a NEW puppy"]
+    overlap = restatement.WordSets(texts).overlap("i just got a new puppy!", np.array([3, 0, 2, 1, 0]))
+    assert overlap.tolist() == pytest.approx([2 * 3 / 9, 0.6, 0.0, 0.0, 0.6])  # distinct words: 3 of 6 and 3
+    assert restatement.WordSets(texts).overlap("", np.array([0])).tolist() == [0.0]
 
 
 def test_a_query_the_guard_leaves_short_is_searched_again_deeper(monkeypatch):

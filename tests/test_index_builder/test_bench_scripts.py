@@ -78,6 +78,9 @@ def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):
         ("rerank_precision.py", ["--keep-fp32", "("], "--keep-fp32: "),
         ("rerank_precision.py", ["--out", str(tmp_path / "no/x.json")], "--out: "),
         ("rerank_precision.py", ["--start", "100000"], "--start 100000: "),
+        ("guard_rules.py", ["--words", "0.995", "1"], "--words: "),
+        ("guard_rules.py", ["--depth", "3"], "--depth"),
+        ("guard_rules.py", ["--bundle", str(tmp_path)], "--bundle: "),
         (
             "rerank_precision.py",
             ["--bundle", str(tiny_bundle), "--keep-fp32", "nowhere"],
@@ -149,6 +152,32 @@ def test_rerank_precision_scores_the_same_candidates_in_each_precision(tmp_path,
             cases, base = set(row[f]["top1_cases"]), set(rows["retrieval"]["top1_cases"])
             assert (row[f]["wins"], row[f]["losses"]) == (len(cases - base), len(base - cases))
             assert row[f]["hits@1"] == round(100 * len(cases) / 6, 2)
+
+
+def test_guard_rules_drop_what_each_rule_flags_and_pair_every_rule_with_the_served_guard(
+    tmp_path, guarded_bundle
+):
+    out = tmp_path / "rules.json"
+    bench("guard_rules.py", "--bundle", str(guarded_bundle), "--split", "test", "--start", "0",
+          "--limit", "12", "--depth", "10", "--cosine", "0.99", "--words", "0.995",
+          "--out", str(out))  # fmt: skip
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert set(rows) == {
+        "guard off",
+        "served guard",
+        "cosine 0.99",
+        "words 0.995",
+        "cosine 0.99 + words 0.995",
+    }
+    dropped = {name: row["human_replies_dropped_%"] for name, row in rows.items()}
+    assert dropped["guard off"] == 0 and result["served_guard"]["quantile"] == 0.99
+    assert dropped["cosine 0.99 + words 0.995"] >= max(dropped["cosine 0.99"], dropped["words 0.995"])
+    served = set(rows["served guard"]["top1_cases"])
+    for row in rows.values():  # every gain and loss against the served guard is counted
+        cases = set(row["top1_cases"])
+        assert (row["wins"], row["losses"]) == (len(cases - served), len(served - cases))
+        assert row["hits@1"] <= row["hits@10"] and 0 <= row["restates_judge"] <= 100
 
 
 def test_response_prior_sweep_measures_every_setting_against_no_prior(tmp_path, tiny_bundle):

@@ -1,0 +1,160 @@
+"""Which restatement guard keeps the replies and drops the restatements? A bundle's first stage as served
+(its retriever, prior and lexical stage) with the guard off recalls ``--depth`` candidates per context
+once; every rule then drops the candidates it flags and answers with the first one left. Each rule's
+thresholds are quantiles of the same measure over human replies (the first 5,000 validation pairs, as
+the served guard is calibrated), so a rule at quantile q drops about 1 - q of what people say:
+
+- ``served guard``: the bundle's own (coreply/restatement.py);
+- ``cosine q``: the retriever's cosine of the candidate with the last turn, or its highest with an
+  earlier turn, at their q quantiles (the guard before §41);
+- ``words q``: F1 of the candidate's distinct words with the last turn's at its q quantile (the words
+  BM25 rewards are the words a restatement repeats; the guard's third threshold since §41);
+- ``cosine q1 + words q2``: either.
+
+Per rule: hits@1 and hits@10 of the gold over the bundle's pool (among the kept candidates in the
+first stage's order), the share of human replies it drops, both restatement judges of
+``restatement_guard.py`` on the top answer (the *words* judge is unigram F1 >= 0.6, so it is not an
+independent judge of a words rule: the model judge is), wins and losses against the served guard and a
+one-sided paired bootstrap p that the rule ranks better than it.
+
+Only an approximation of serving a rule: served, the lexical stage reorders the first 100 candidates
+the guard keeps, here the first 100 of all; ``restatement_guard.py`` measures a built rule as served.
+
+    python bench/guard_rules.py --bundle artifacts/default-bundle --split valid --start 2000 --limit 4622 \\
+        --out docs/guard-rules-valid2000.json
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+from restatement_guard import words_rate
+
+from bench import provenance  # bench/bench.py: this script's directory is on sys.path
+from coreply import restatement
+from coreply.artifacts import write_json_atomic
+from coreply.bundle import BundleError
+from coreply.checkpoint import load_bi
+from coreply.config import ZERO_SHOT
+from coreply.corpus import load_chitchat
+from coreply.ranking import Query
+from coreply.responder import Responder
+from coreply.text import normalize
+from evaluation.metrics import paired_bootstrap
+from evaluation.restatement import RestatementJudge
+
+SERVED = "served guard"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bundle", default="artifacts/default-bundle", help="a bundle with a restatement guard")
+    p.add_argument("--split", default="valid", choices=["valid", "test"])
+    p.add_argument("--start", type=int, default=2000, help="skip the split's first N pairs")
+    p.add_argument("--limit", type=int, default=4622, help="N pairs of the split, from --start")
+    p.add_argument("--depth", type=int, default=30, help="candidates recalled per context, guard off")
+    p.add_argument("--cosine", type=float, nargs="+", default=[0.98, 0.99, 0.995], help="cosine quantiles")
+    p.add_argument("--words", type=float, nargs="+", default=[0.99, 0.995, 0.999], help="words quantiles")
+    p.add_argument("--out", type=Path, default=None, help="JSON file to write")
+    args = p.parse_args()
+    if args.out is not None and not args.out.parent.is_dir():
+        raise SystemExit(f"--out: {args.out.parent} is not a folder; create it or name another")
+    if args.start < 0 or args.limit < 1:
+        raise SystemExit(f"--start must be >= 0 and --limit >= 1, got {args.start} and {args.limit}")
+    if args.depth < 10:
+        raise SystemExit(f"--depth: at least 10 (hits@10 is counted among them), got {args.depth}")
+    for flag, qs in (("--cosine", args.cosine), ("--words", args.words)):
+        if bad := [q for q in qs if not 0.5 <= q < 1]:
+            raise SystemExit(f"{flag}: each quantile in [0.5, 1), got {bad}")
+    splits = load_chitchat()
+    pairs = splits[args.split][args.start : args.start + args.limit]
+    if not pairs:
+        raise SystemExit(f"--start {args.start}: the {args.split} split has fewer pairs; give a smaller one")
+    try:
+        bot = Responder.load(args.bundle)
+    except BundleError as exc:
+        raise SystemExit(f"--bundle: {exc}") from None
+    ranking = bot.pipeline
+    if ranking.guard is None or ranking._turns is None:
+        raise SystemExit(f"--bundle {args.bundle}: has no restatement guard to compare with (rebuild it)")
+    served = ranking.guard
+
+    # human replies: the measures every threshold is a quantile of
+    held_out = splits["valid"][: restatement.MAX_PAIRS]
+    h_last, h_earlier, h_words = restatement.human_closeness(bot.backend.encode_responses, held_out)
+
+    # the candidates, guard off, and each one's measures
+    contexts = [p.context for p in pairs]
+    candidates = []
+    for s in range(0, len(pairs), 64):
+        queries = [Query(tuple(c), allow_restatements=True) for c in contexts[s : s + 64]]
+        candidates += ranking.recall(queries, [args.depth] * len(queries))
+    ids = [c.ids for c in candidates]
+    vectors = ranking.retrieve.vectors  # type: ignore[attr-defined]
+    near = restatement.closeness(ranking._turns, contexts, [vectors(i) for i in ids])
+    pool_words = ranking.word_sets()
+    words = [pool_words.overlap(c[-1], i) for c, i in zip(contexts, ids, strict=True)]
+    print(f"{len(pairs)} contexts recalled", flush=True)
+
+    def rule(cos_q: float | None, words_q: float | None) -> tuple[list[np.ndarray], float]:
+        """Per context the mask of candidates the rule drops, and the share of human replies it drops."""
+        guard = restatement.Guard(
+            np.inf if cos_q is None else float(np.quantile(h_last, cos_q)),
+            np.inf if cos_q is None else float(np.quantile(h_earlier, cos_q)),
+            np.inf if words_q is None else float(np.quantile(h_words, words_q)),
+        )
+        masks = [guard.flags(ls, es, ws) for (ls, es), ws in zip(near, words, strict=True)]
+        return masks, float(np.mean(guard.flags(h_last, h_earlier, h_words)))
+
+    rules: dict[str, tuple[list[np.ndarray], float]] = {"guard off": rule(None, None)}
+    served_masks = restatement.restating(ranking._turns, vectors, ranking.word_sets, contexts, ids, served)
+    rules[SERVED] = (served_masks, bot.bundle.manifest["restatement"]["human_replies_dropped"])
+    for q in args.cosine:
+        rules[f"cosine {q}"] = rule(q, None)
+    for w in args.words:
+        rules[f"words {w}"] = rule(None, w)
+        for q in args.cosine:
+            rules[f"cosine {q} + words {w}"] = rule(q, w)
+
+    judge = RestatementJudge(load_bi(ZERO_SHOT))
+    gold = [normalize(p.response) for p in pairs]
+    hits: dict[str, np.ndarray] = {}
+    rows: dict[str, dict] = {}
+    for name, (masks, human) in rules.items():
+        kept = [i[~m] for i, m in zip(ids, masks, strict=True)]
+        keys = [[ranking.keys[j] for j in k[:10]] for k in kept]
+        top = [ranking.texts[k[0]] if len(k) else None for k in kept]
+        hits[name] = np.array([k[:1] == [g] for k, g in zip(keys, gold, strict=True)], dtype=float)
+        rows[name] = {
+            "hits@1": round(100 * float(hits[name].mean()), 2),
+            "hits@10": round(100 * float(np.mean([g in k for k, g in zip(keys, gold, strict=True)])), 2),
+            "human_replies_dropped_%": round(100 * human, 2),
+            "restates_judge": round(judge.rate(contexts, top), 2),
+            "restates_words": words_rate(contexts, top),
+            "unanswered": sum(t is None for t in top),
+        }
+    for name, row in rows.items():
+        row["wins"] = int(((hits[name] == 1) & (hits[SERVED] == 0)).sum())
+        row["losses"] = int(((hits[name] == 0) & (hits[SERVED] == 1)).sum())
+        row["p_better_than_served"] = round(paired_bootstrap(hits[name], hits[SERVED]), 4)
+        row["top1_cases"] = np.flatnonzero(hits[name]).tolist()
+        print(name, {k: v for k, v in row.items() if k != "top1_cases"}, flush=True)
+    people = [p.response for p in pairs]
+    result = provenance() | {
+        "bundle": args.bundle,
+        "pairs": f"{args.split}[{args.start}:{args.start + len(pairs)}]",
+        "depth": args.depth,
+        "calibrated_on": f"valid[:{len(held_out)}]",
+        "served_guard": bot.bundle.manifest["restatement"],
+        "people": {"judge": round(judge.rate(contexts, people), 2), "words": words_rate(contexts, people)},
+        "rows": rows,
+    }
+    print("people", result["people"])
+    if args.out:
+        write_json_atomic(args.out, result)
+
+
+if __name__ == "__main__":
+    main()
