@@ -54,6 +54,30 @@ def provenance() -> dict[str, str]:
     }
 
 
+def add_pairs_args(p: argparse.ArgumentParser, split: str, start: int, limit: int) -> None:
+    """``--split``, ``--start`` and ``--limit`` (which chitchat pairs a bench measures) and ``--out``
+    (its JSON file); :func:`chosen_pairs` checks them."""
+    p.add_argument("--split", default=split, choices=["valid", "test"])
+    p.add_argument("--start", type=int, default=start, help="skip the split's first N pairs")
+    p.add_argument("--limit", type=int, default=limit, help="N pairs of the split, from --start")
+    p.add_argument("--out", type=Path, default=None, help="JSON file to write")
+
+
+def chosen_pairs(args: argparse.Namespace) -> list:
+    """The pairs :func:`add_pairs_args`' flags name; a one-line exit naming the flag when they name
+    none or ``--out`` has no folder."""
+    from coreply.corpus import load_chitchat
+
+    if args.out is not None and not args.out.parent.is_dir():
+        raise SystemExit(f"--out: {args.out.parent} is not a folder; create it or name another")
+    if args.start < 0 or args.limit < 1:
+        raise SystemExit(f"--start must be >= 0 and --limit >= 1, got {args.start} and {args.limit}")
+    pairs = load_chitchat()[args.split][args.start : args.start + args.limit]
+    if not pairs:
+        raise SystemExit(f"--start {args.start}: the {args.split} split has fewer pairs; give a smaller one")
+    return pairs
+
+
 def operators(prof, cuda: bool, batches: int, top: int) -> list[dict]:
     """The ``top`` operators of a ``torch.profiler`` run by self device time (host time without CUDA),
     per batch (or step), in ms."""

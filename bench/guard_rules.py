@@ -27,12 +27,15 @@ the guard keeps, here the first 100 of all; ``restatement_guard.py`` measures a 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import numpy as np
 from restatement_guard import words_rate
 
-from bench import provenance  # bench/bench.py: this script's directory is on sys.path
+from bench import (  # bench/bench.py: this script's directory is on sys.path
+    add_pairs_args,
+    chosen_pairs,
+    provenance,
+)
 from coreply import restatement
 from coreply.artifacts import write_json_atomic
 from coreply.bundle import BundleError
@@ -51,27 +54,17 @@ SERVED = "served guard"
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bundle", default="artifacts/default-bundle", help="a bundle with a restatement guard")
-    p.add_argument("--split", default="valid", choices=["valid", "test"])
-    p.add_argument("--start", type=int, default=2000, help="skip the split's first N pairs")
-    p.add_argument("--limit", type=int, default=4622, help="N pairs of the split, from --start")
+    add_pairs_args(p, "valid", 2000, 4622)
     p.add_argument("--depth", type=int, default=30, help="candidates recalled per context, guard off")
     p.add_argument("--cosine", type=float, nargs="+", default=[0.98, 0.99, 0.995], help="cosine quantiles")
     p.add_argument("--words", type=float, nargs="+", default=[0.99, 0.995, 0.999], help="words quantiles")
-    p.add_argument("--out", type=Path, default=None, help="JSON file to write")
     args = p.parse_args()
-    if args.out is not None and not args.out.parent.is_dir():
-        raise SystemExit(f"--out: {args.out.parent} is not a folder; create it or name another")
-    if args.start < 0 or args.limit < 1:
-        raise SystemExit(f"--start must be >= 0 and --limit >= 1, got {args.start} and {args.limit}")
     if args.depth < 10:
         raise SystemExit(f"--depth: at least 10 (hits@10 is counted among them), got {args.depth}")
     for flag, qs in (("--cosine", args.cosine), ("--words", args.words)):
         if bad := [q for q in qs if not 0.5 <= q < 1]:
             raise SystemExit(f"{flag}: each quantile in [0.5, 1), got {bad}")
-    splits = load_chitchat()
-    pairs = splits[args.split][args.start : args.start + args.limit]
-    if not pairs:
-        raise SystemExit(f"--start {args.start}: the {args.split} split has fewer pairs; give a smaller one")
+    pairs = chosen_pairs(args)
     try:
         bot = Responder.load(args.bundle)
     except BundleError as exc:
@@ -82,7 +75,7 @@ def main() -> None:
     served = ranking.guard
 
     # human replies: the measures every threshold is a quantile of
-    held_out = splits["valid"][: restatement.MAX_PAIRS]
+    held_out = load_chitchat()["valid"][: restatement.MAX_PAIRS]
     h_last, h_earlier, h_words = restatement.human_closeness(bot.backend.encode_responses, held_out)
 
     # the candidates, guard off, and each one's measures

@@ -27,11 +27,14 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from bench import provenance  # bench/bench.py: this script's directory is on sys.path
+from bench import (  # bench/bench.py: this script's directory is on sys.path
+    add_pairs_args,
+    chosen_pairs,
+    provenance,
+)
 from coreply.artifacts import write_json_atomic
 from coreply.bundle import BundleError
 from coreply.checkpoint import load_checkpoint
-from coreply.corpus import load_chitchat
 from coreply.inference import (
     INT8,
     INT8_VARIANTS,
@@ -55,18 +58,11 @@ VARIANTS = ("fp32", *INT8_VARIANTS, *TORCH)
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bundle", default="artifacts/default-bundle", help="a bundle with a reranker")
-    p.add_argument("--split", default="test", choices=["valid", "test"])
-    p.add_argument("--start", type=int, default=0, help="skip the split's first N pairs")
-    p.add_argument("--limit", type=int, default=2000, help="N pairs of the split, from --start")
+    add_pairs_args(p, "test", 0, 2000)
     p.add_argument("--variants", nargs="+", default=["fp32", INT8], help="ONNX fp32, int8 variants, torch*")
     p.add_argument("--keep-fp32", nargs="+", default=[], metavar="REGEX", help="the served int8, these fp32")
     p.add_argument("--weights", type=float, nargs="+", default=[0.3, 0.4, 0.5, 0.6], help="z-score weights")
-    p.add_argument("--out", type=Path, default=None, help="JSON file to write")
     args = p.parse_args()
-    if args.out is not None and not args.out.parent.is_dir():
-        raise SystemExit(f"--out: {args.out.parent} is not a folder; create it or name another")
-    if args.start < 0 or args.limit < 1:
-        raise SystemExit(f"--start must be >= 0 and --limit >= 1, got {args.start} and {args.limit}")
     if bad := [v for v in args.variants if v not in VARIANTS]:
         raise SystemExit(f"--variants: each one of {', '.join(VARIANTS)}, got {' '.join(bad)}")
     if bad_w := [w for w in args.weights if not 0 <= w <= 1]:
@@ -75,9 +71,7 @@ def main() -> None:
         keep = [re.compile(k) for k in args.keep_fp32]
     except re.error as exc:
         raise SystemExit(f"--keep-fp32: not a regular expression ({exc})") from None
-    pairs = load_chitchat()[args.split][args.start : args.start + args.limit]
-    if not pairs:
-        raise SystemExit(f"--start {args.start}: the {args.split} split has fewer pairs; give a smaller one")
+    pairs = chosen_pairs(args)
     try:
         bot = Responder.load(args.bundle, backend="onnx")
     except BundleError as exc:

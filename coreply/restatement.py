@@ -51,8 +51,9 @@ EncodeResponses = Callable[[Sequence[str]], np.ndarray]
 @dataclass(frozen=True)
 class Guard:
     """A candidate restates its context when its cosine is at least ``last`` with the last turn or at
-    least ``earlier`` with one of the turns before it, or when its unigram F1 with the last turn is at
-    least ``words`` (infinite: not checked, as in bundles built before the words threshold)."""
+    least ``earlier`` with one of the turns before it, or when its distinct words overlap the last
+    turn's with an F1 (:meth:`WordSets.overlap`) of at least ``words`` (infinite: not checked, as in
+    bundles built before the words threshold)."""
 
     last: float
     earlier: float
@@ -102,7 +103,7 @@ def check_quantile(quantile: float) -> float:
 class WordSets:
     """The distinct words of each of ``texts`` (:func:`coreply.text.words`), hashed into one flat array,
     so that a request measures its candidates' overlap with its last turn without reading their texts
-    again (about 0.4 s and 10 MB for the built-in pool of 124,141)."""
+    again (0.9 s and 16 MB for the built-in pool of 124,141, once; 0.05 ms for 105 candidates)."""
 
     def __init__(self, texts: Sequence[str]) -> None:
         flat: list[int] = []
