@@ -271,8 +271,9 @@ def evaluate_pool(
 
 def choose_zscore_weight(
     pairs: Sequence[Pair], pool_keys: Sequence[str], got: Retrieved, n_r: int
-) -> tuple[float, dict[float, dict[str, float]]]:
+) -> tuple[float, dict[float, list[float]]]:
     """The z-score fusion weight with the best hits@1 (then MRR; then the larger weight) on validation,
-    and the metrics of every weight of the grid 0.0, 0.1, .., 1.0 it was chosen from."""
-    grid = {w / 10: summarize(ranks_for(pairs, pool_keys, got, "zscore", n_r, w / 10)) for w in range(11)}
-    return max(grid, key=lambda w: (grid[w]["hits@1"], grid[w]["mrr"], w)), grid
+    and the gold's ranks (:func:`ranks_for`) at every weight of the grid 0.0, 0.1, .., 1.0."""
+    ranks = {w / 10: ranks_for(pairs, pool_keys, got, "zscore", n_r, w / 10) for w in range(11)}
+    grid = {w: summarize(r) for w, r in ranks.items()}
+    return max(grid, key=lambda w: (grid[w]["hits@1"], grid[w]["mrr"], w)), ranks

@@ -47,12 +47,13 @@ from coreply.knowledge import trained_top_m
 from coreply.ranking import Pipeline
 from coreply.text import normalize
 from coreply.tokenization import flat_pieces
-from evaluation.metrics import summarize
+from evaluation.metrics import paired_bootstrap, summarize
 from evaluation.protocols import choose_zscore_weight, ranks_for, retrieve_and_rerank
 from index_builder.faiss_index import EXACT, check_index_spec, make_index, recall_vs_exact
 
 ONNX_CHOICES = ("int8", "fp32", "none")
-FUSED = ("zscore", "sum")
+SIGNIFICANT = 0.05
+"""The p below which calibration serves the z-score fusion instead of the sum."""
 """The fusions a bundle's default is chosen from, preferred in this order on a tie (the reranker alone
 is the z-score at weight 0)."""
 
@@ -97,17 +98,21 @@ def calibrate_fusion(
 ) -> dict[str, Any]:
     """Choose the fusion a request gets by default on held-out pairs whose gold responses are in the pool,
     through the serving pipeline at ``n_r`` candidates: the z-score weight with the best hits@1 (the
-    evaluation's own grid search), then the better of that z-score fusion and the sum by hits@1 (then MRR;
-    a tie keeps the z-score). ``default`` fixes the fusion (a residual reranker is served as a sum) and
-    only the weight is chosen."""
+    evaluation's own grid search), then the sum of the two stages' scores (the precursor paper's Eq. 10)
+    unless that z-score fusion puts the gold first significantly more often (one-sided paired bootstrap,
+    p < :data:`SIGNIFICANT`): on the few thousand pairs a recipe can spare, a best-of-two by hits@1
+    picks noise (docs/results.md §40.4). ``default`` fixes the fusion (a residual reranker is served as
+    a sum) and only the weight is chosen."""
     got = retrieve_and_rerank(pairs, ranking, n_r, n_r)
-    weight, grid = choose_zscore_weight(pairs, ranking.keys, got, n_r)
-    measured = {"zscore": grid[weight], "sum": summarize(ranks_for(pairs, ranking.keys, got, "sum", n_r))}
-    chosen = default or max(FUSED, key=lambda f: (measured[f]["hits@1"], measured[f]["mrr"]))
+    weight, ranks = choose_zscore_weight(pairs, ranking.keys, got, n_r)
+    ranks = {"zscore": ranks[weight], "sum": ranks_for(pairs, ranking.keys, got, "sum", n_r)}
+    first = {f: (np.array(r) == 1).astype(float) for f, r in ranks.items()}  # [N] each
+    p = paired_bootstrap(first["zscore"], first["sum"])
     return {
-        "default": chosen,
+        "default": default or ("zscore" if p < SIGNIFICANT else "sum"),
         "zscore_weight": weight,
-        "hits@1": {f: round(m["hits@1"], 2) for f, m in measured.items()},
+        "hits@1": {f: round(summarize(r)["hits@1"], 2) for f, r in ranks.items()},
+        "p_zscore_better": round(p, 4),
         "calibrated_on": f"{len(pairs)} held-out pairs, hits@1 at n_r={n_r}",
     }
 
@@ -125,8 +130,11 @@ def calibrate_lexical(
     got = retrieve_and_rerank(pairs, ranking, depth, 0)
     for pair, c in zip(pairs, got.candidates, strict=True):
         c.rerank = stage.scores(pair.context, [ranking.texts[i] for i in c.ids])
-    chosen, grid = choose_zscore_weight(pairs, ranking.keys, got, depth)
-    hits = {name: round(grid[w]["hits@1"], 2) for name, w in (("dense", 1.0), ("with lexical", chosen))}
+    chosen, ranks = choose_zscore_weight(pairs, ranking.keys, got, depth)
+    hits = {
+        name: round(summarize(ranks[w])["hits@1"], 2)
+        for name, w in (("dense", 1.0), ("with lexical", chosen))
+    }
     calibrated = f"{len(pairs)} held-out pairs, hits@1 of the first answer"
     entry |= {"weight": chosen, "calibrated_on": calibrated, "hits@1": hits}
     return replace(stage, weight=chosen), entry

@@ -15,8 +15,8 @@ own words, and the guard's 0.995 quantile let its restatements through (docs/res
 reranker yet: none trained so far adds to the retriever as served (docs/results.md §37–40). A reranker
 that earns its place is shipped as ``coreply/weights/default-cross`` (adapters; ``coreply compact``
 makes them from one trained in full); when that checkpoint exists the default reranks the retriever's
-candidates with it, fused as calibrated on the first 2,000 validation pairs (the sum, or the z-score at
-its best weight), and an existing default bundle is rebuilt.
+candidates with it, fused as calibrated on the first 2,000 validation pairs (the sum, unless the
+z-score at its best weight is significantly better there), and an existing default bundle is rebuilt.
 """
 
 from __future__ import annotations

@@ -42,16 +42,20 @@ def test_bundle_round_trip(tiny_bundle):
     assert manifest["fusion"]["default"] in ("zscore", "sum")  # the better of the two on those pairs
 
 
-def test_calibration_serves_the_sum_where_it_ranks_better_than_any_z_score_weight():
-    """Three candidates each: the sum of the two models' scores puts the gold first in both lists, while
-    every z-score weight of the 0.0..1.0 grid misses one of them."""
+def test_calibration_serves_the_sum_unless_a_z_score_weight_ranks_significantly_better():
+    """Three candidates each: the sum of the two models' scores puts the gold first in lists a and b,
+    while every z-score weight of the 0.0..1.0 grid misses one of them; in list c the first stage's
+    scores are so wide that the sum keeps its (wrong) order and only a z-score reorders it."""
     from coreply.corpus import Pair
     from coreply.ranking import Hits, Pipeline
     from index_builder.build import calibrate_fusion
 
-    texts = ["gold a", "a1", "a2", "b0", "b1", "gold b"]
+    texts = ["gold a", "a1", "a2", "b0", "b1", "gold b", "c0", "c1", "gold c"]
     recalled = {"a": ([0, 1, 2], [9.0, 5.0, 2.0]), "b": ([3, 4, 5], [4.0, 2.0, 0.0])}  # ids, scores
-    rerank = dict(zip(texts, [2.0, 0.0, 7.0, 4.0, 1.0, 9.0], strict=True))  # sums 11 5 9 | 8 3 9
+    recalled["c"] = ([6, 7, 8], [100.0, 50.0, 0.0])
+    rerank = dict(
+        zip(texts, [2.0, 0.0, 7.0, 4.0, 1.0, 9.0, 0.0, 1.0, 5.0], strict=True)
+    )  # sums 11 5 9 | 8 3 9
 
     def retrieve(contexts, k):
         rows = [recalled[c[-1]] for c in contexts]
@@ -65,6 +69,10 @@ def test_calibration_serves_the_sum_where_it_ranks_better_than_any_z_score_weigh
     fusion = calibrate_fusion(ranking, pairs, n_r=3)
     assert fusion["default"] == "sum" and fusion["hits@1"] == {"zscore": 50.0, "sum": 100.0}
     assert calibrate_fusion(ranking, pairs, n_r=3, default="zscore")["default"] == "zscore"  # fixed
+    level = calibrate_fusion(ranking, [*pairs, Pair(("c",), "gold c")] * 2, n_r=3)
+    assert level["hits@1"]["zscore"] == level["hits@1"]["sum"] and level["default"] == "sum"  # a tie: the sum
+    many_c = calibrate_fusion(ranking, pairs + [Pair(("c",), "gold c")] * 20, n_r=3)
+    assert many_c["default"] == "zscore" and many_c["p_zscore_better"] < 0.05
 
 
 def test_duplicates_are_dropped_and_ids_stay_in_order(tmp_path, tiny_core):
