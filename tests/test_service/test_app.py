@@ -69,13 +69,16 @@ def test_fusion_modes(client, tiny_bundle):
     assert retrieval["timings_ms"]["rerank"] == 0
     rerank = post(client, context=context, top_k=3, fusion="rerank").json()
     assert [r["score"] for r in rerank["responses"]] == [r["rerank_score"] for r in rerank["responses"]]
+    calibrated = load_bundle(tiny_bundle).manifest["fusion"]  # at build time
     default = post(client, context=context, top_k=5, n_candidates=5).json()  # every candidate returned
-    assert default["fusion"] == "zscore" and len(default["responses"]) == 5
-    weight = load_bundle(tiny_bundle).manifest["fusion"]["zscore_weight"]  # calibrated at build time
-    r = np.array([c["retrieval_score"] for c in default["responses"]])
-    g = np.array([c["rerank_score"] for c in default["responses"]])
-    want = weight * zscore(r) + (1 - weight) * zscore(g)
-    np.testing.assert_allclose([c["score"] for c in default["responses"]], want, atol=1e-6)
+    assert default["fusion"] == calibrated["default"] and len(default["responses"]) == 5
+    for fusion in ("zscore", "sum"):
+        got = post(client, context=context, top_k=5, n_candidates=5, fusion=fusion).json()["responses"]
+        r = np.array([c["retrieval_score"] for c in got])
+        g = np.array([c["rerank_score"] for c in got])
+        weight = calibrated["zscore_weight"]
+        want = weight * zscore(r) + (1 - weight) * zscore(g) if fusion == "zscore" else r + g
+        np.testing.assert_allclose([c["score"] for c in got], want, atol=1e-6)
 
 
 def test_service_and_evaluation_rank_identically(tiny_bundle):
