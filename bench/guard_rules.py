@@ -70,7 +70,7 @@ def main() -> None:
     except BundleError as exc:
         raise SystemExit(f"--bundle: {exc}") from None
     ranking = bot.pipeline
-    if ranking.guard is None or ranking._turns is None:
+    if ranking.guard is None or ranking.turn_vectors is None:
         raise SystemExit(f"--bundle {args.bundle}: has no restatement guard to compare with (rebuild it)")
     served = ranking.guard
 
@@ -86,24 +86,27 @@ def main() -> None:
         candidates += ranking.recall(queries, [args.depth] * len(queries))
     ids = [c.ids for c in candidates]
     vectors = ranking.retrieve.vectors  # type: ignore[attr-defined]
-    near = restatement.closeness(ranking._turns, contexts, [vectors(i) for i in ids])
+    near = restatement.closeness(ranking.turn_vectors, contexts, [vectors(i) for i in ids])
     pool_words = ranking.word_sets()
     words = [pool_words.overlap(c[-1], i) for c, i in zip(contexts, ids, strict=True)]
     print(f"{len(pairs)} contexts recalled", flush=True)
 
-    def rule(cos_q: float | None, words_q: float | None) -> tuple[list[np.ndarray], float]:
-        """Per context the mask of candidates the rule drops, and the share of human replies it drops."""
-        guard = restatement.Guard(
-            np.inf if cos_q is None else float(np.quantile(h_last, cos_q)),
-            np.inf if cos_q is None else float(np.quantile(h_earlier, cos_q)),
-            np.inf if words_q is None else float(np.quantile(h_words, words_q)),
-        )
+    def drops(guard: restatement.Guard) -> tuple[list[np.ndarray], float]:
+        """Per context the mask of candidates ``guard`` drops, and the share of human replies it drops."""
         masks = [guard.flags(ls, es, ws) for (ls, es), ws in zip(near, words, strict=True)]
         return masks, float(np.mean(guard.flags(h_last, h_earlier, h_words)))
 
-    rules: dict[str, tuple[list[np.ndarray], float]] = {"guard off": rule(None, None)}
-    served_masks = restatement.restating(ranking._turns, vectors, ranking.word_sets, contexts, ids, served)
-    rules[SERVED] = (served_masks, bot.bundle.manifest["restatement"]["human_replies_dropped"])
+    def rule(cos_q: float | None, words_q: float | None) -> tuple[list[np.ndarray], float]:
+        """A guard with these quantiles of the human replies' measures (None: that check off)."""
+        return drops(
+            restatement.Guard(
+                np.inf if cos_q is None else float(np.quantile(h_last, cos_q)),
+                np.inf if cos_q is None else float(np.quantile(h_earlier, cos_q)),
+                np.inf if words_q is None else float(np.quantile(h_words, words_q)),
+            )
+        )
+
+    rules: dict[str, tuple[list[np.ndarray], float]] = {"guard off": rule(None, None), SERVED: drops(served)}
     for q in args.cosine:
         rules[f"cosine {q}"] = rule(q, None)
     for w in args.words:

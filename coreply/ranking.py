@@ -192,7 +192,7 @@ class Pipeline:
             raise ValueError("the poly stage needs a Poly-encoder retriever (with cached response vectors)")
         if guard is not None and not (hasattr(retrieve, "vectors") and hasattr(retrieve, "encode_responses")):
             raise ValueError("the restatement guard needs a dense retriever (response vectors)")
-        self._turns = (  # unit vectors of context turns: a conversation's turns are encoded once
+        self.turn_vectors = (  # unit vectors of context turns: a conversation's turns are encoded once
             TextVectors(lambda texts: unit(retrieve.encode_responses(texts)))  # type: ignore[attr-defined]
             if guard
             else None
@@ -271,10 +271,10 @@ class Pipeline:
         the query allows restatements, that do not restate its context (one guard call for all)."""
         keep = [q.keep(row, self.keys) for q, row in zip(queries, ids, strict=True)]
         guarded = [i for i, q in enumerate(queries) if not q.allow_restatements]
-        if self.guard is None or self._turns is None or not guarded:
+        if self.guard is None or self.turn_vectors is None or not guarded:
             return keep
         masks = restatement.restating(
-            self._turns,
+            self.turn_vectors,
             self.retrieve.vectors,  # type: ignore[attr-defined]
             self.word_sets,
             [queries[i].context for i in guarded],
