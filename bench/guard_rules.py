@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
-from restatement_guard import words_rate
 
 from bench import (  # bench/bench.py: this script's directory is on sys.path
     add_pairs_args,
@@ -46,7 +45,7 @@ from coreply.ranking import Query
 from coreply.responder import Responder
 from coreply.text import normalize
 from evaluation.metrics import paired_bootstrap
-from evaluation.restatement import RestatementJudge
+from evaluation.restatement import RestatementJudge, words_rate
 
 SERVED = "served guard"
 

@@ -30,7 +30,6 @@ from dataclasses import replace
 from pathlib import Path
 
 from bm25s.stopwords import STOPWORDS_EN
-from restatement_guard import words_rate
 
 from bench import provenance  # bench/bench.py: this script's directory is on sys.path
 from coreply import restatement
@@ -49,7 +48,7 @@ from evaluation.protocols import (
     ranks_for,
     retrieve_and_rerank,
 )
-from evaluation.restatement import RestatementJudge
+from evaluation.restatement import RestatementJudge, words_rate
 
 QUERIES = {
     "all": lambda turns: turns,  # as the service's lexical stage reads them (the pairs hold <= 5 turns)

@@ -33,7 +33,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from restatement_guard import words_rate
 
 from bench import provenance  # bench/bench.py: this script's directory is on sys.path
 from coreply import restatement
@@ -47,7 +46,7 @@ from coreply.text import normalize
 from coreply.vectors import TextVectors, unit
 from evaluation.metrics import paired_bootstrap, per_case, summarize
 from evaluation.protocols import Retrieved, ranked_ids, ranks_for, retrieve_and_rerank
-from evaluation.restatement import RestatementJudge
+from evaluation.restatement import RestatementJudge, words_rate
 
 FEATURES = ("dense", "bm25", "bm25_last", "cos_last", "cos_earlier", "over_last", "over_earlier", "length")
 

@@ -46,11 +46,10 @@ from coreply.config import ZERO_SHOT
 from coreply.corpus import load_chitchat
 from coreply.ranking import FUSIONS, Query, order
 from coreply.responder import Responder
-from coreply.text import normalize, unigram_f1
+from coreply.text import normalize
 from evaluation.metrics import paired_bootstrap
-from evaluation.restatement import RestatementJudge
+from evaluation.restatement import RestatementJudge, words_rate
 
-WORDS_THRESHOLD = 0.6
 PROMPTS = [
     ["what do you do for a living?"],
     ["i just got a new puppy!"],
@@ -80,15 +79,6 @@ def setting(allow: bool, fusion: str) -> str:
     """A setting's name: the guard off or on, in the first stage's order or reranked by ``fusion``."""
     name = "guard off" if allow else "guard on"
     return name if fusion == "retrieval" else f"{name}, reranked ({fusion})"
-
-
-def words_rate(contexts: list, answers: list[str | None]) -> float:
-    """% of answers whose unigram F1 with their context's last turn reaches :data:`WORDS_THRESHOLD`."""
-    flags = [
-        a is not None and unigram_f1(c[-1], a) >= WORDS_THRESHOLD
-        for c, a in zip(contexts, answers, strict=True)
-    ]
-    return round(100 * float(np.mean(flags)), 2)
 
 
 def sweep(args: argparse.Namespace) -> None:

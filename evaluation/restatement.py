@@ -15,10 +15,15 @@ from collections.abc import Sequence
 import numpy as np
 
 from coreply.models import BiEncoder
+from coreply.text import unigram_f1
 from coreply.vectors import TextVectors, unit
 
 THRESHOLD = 0.8
 """Judge cosine at and above which an answer counts as a restatement of the last turn."""
+
+WORDS_THRESHOLD = 0.6
+"""Unigram F1 with the last turn at and above which an answer restates it by its words: the second,
+model-free judge."""
 
 
 class RestatementJudge:
@@ -51,3 +56,12 @@ class RestatementJudge:
     def rate(self, contexts: Sequence[Sequence[str]], answers: Sequence[str | None]) -> float:
         """Percentage of answers that restate their context's last turn."""
         return float(100 * self.flags(contexts, answers).mean()) if len(answers) else 0.0
+
+
+def words_rate(contexts: list, answers: list[str | None]) -> float:
+    """% of answers whose unigram F1 with their context's last turn reaches :data:`WORDS_THRESHOLD`."""
+    flags = [
+        a is not None and unigram_f1(c[-1], a) >= WORDS_THRESHOLD
+        for c, a in zip(contexts, answers, strict=True)
+    ]
+    return round(100 * float(np.mean(flags)), 2)

@@ -117,6 +117,15 @@ def test_restatement_judge_flags_answers_that_repeat_the_last_turn(tiny_model_di
         RestatementJudge(judge.judge, 0.0)
 
 
+def test_words_rate_counts_answers_that_share_most_of_the_last_turns_words():
+    from evaluation.restatement import words_rate
+
+    contexts = [("hi", "i just got a new puppy!"), ("what do you do for a living?",), ("hello",)]
+    # a restatement (3 shared words of 4 and 6: F1 0.6, the threshold), a reply (F1 0.14), no answer
+    answers = ["yep a new puppy!", "i teach math at a high school", None]
+    assert words_rate(contexts, answers) == pytest.approx(33.33)
+    assert words_rate(contexts[:1], ["a reply about cats"]) == 0.0
+
 def test_ranked_ids_order_the_answers_like_ranks_for():
     from evaluation.protocols import ranked_ids
 
