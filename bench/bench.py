@@ -145,7 +145,9 @@ async def load(
     async def worker(client: httpx.AsyncClient) -> None:
         while queue:
             i, context = queue.pop(0)
-            body = {"context": context, "n_candidates": n_r, "fusion": fusion}
+            body = {"context": context, "n_candidates": n_r}
+            if fusion != "default":  # default: name none, as a client that takes the bundle's (gated) does
+                body["fusion"] = fusion
             start = time.perf_counter()
             response = await client.post(url + "/respond", json=body)
             latencies.append(1000 * (time.perf_counter() - start))
@@ -242,8 +244,9 @@ def main() -> None:
     p.add_argument(
         "--fusion",
         default="rerank",
-        choices=["rerank", "retrieval"],
-        help="retrieval: time recall only (bundles without a reranker, e.g. the default); no peer",
+        choices=["rerank", "retrieval", "default"],
+        help="retrieval: time recall only (bundles without a reranker, e.g. the default); no peer. "
+        "default: name no fusion, so the bundle's own answers, behind its rerank gate",
     )
     p.add_argument("--out", required=True)
     args = p.parse_args()

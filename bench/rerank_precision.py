@@ -10,8 +10,9 @@ outputs): which ones lose most.
 Per variant: how close its scores are to fp32's (Pearson r over all pairs; % of lists whose reranked
 top-1 is fp32's), the milliseconds to score one context's 10 pairs (each pair run alone, as served), and
 hits@1 of the gold under each fusion (``rerank``: the reranker's order; ``sum``; ``zscore`` at each
-``--weights``), with wins, losses and a one-sided paired bootstrap p against the first stage's order.
-The first stage's own hits@1 is the ``retrieval`` row.
+``--weights``; the bundle's own behind its rerank gate, where it has one), with wins, losses and a
+one-sided paired bootstrap p against the first stage's order. The first stage's own hits@1 is the
+``retrieval`` row.
 
     python bench/rerank_precision.py --bundle artifacts/cand-hard-nolex --split test --limit 2000 \\
         --out docs/rerank-precision-hard-nolex-test.json
@@ -45,6 +46,7 @@ from coreply.inference import (
     export_onnx,
     quantize_graph,
 )
+from coreply.ranking import confident
 from coreply.responder import Responder
 from coreply.text import normalize
 from evaluation.metrics import paired_bootstrap
@@ -83,9 +85,9 @@ def main() -> None:
     in_pool = set(ranking.keys)
     gold_in_pool = float(np.mean([normalize(p.response) in in_pool for p in pairs]))
 
-    def hits_at_1(got: Retrieved, fusion: str, w: float = 0.0) -> np.ndarray:
-        """[N] 1.0 where the gold is the first answer under ``fusion`` of the first N_R."""
-        return (np.array(ranks_for(pairs, ranking.keys, got, fusion, N_R, w)) == 1).astype(float)
+    def hits_at_1(got: Retrieved, fusion: str, w: float = 0.0, gate: float | None = None) -> np.ndarray:
+        """[N] 1.0 where the gold is the first answer under ``fusion`` of the first N_R (gated)."""
+        return (np.array(ranks_for(pairs, ranking.keys, got, fusion, N_R, w, gate)) == 1).astype(float)
 
     reranked: dict[str, Retrieved] = {}
     scores: dict[str, np.ndarray] = {}  # variant -> [N, N_R] rerank scores, NaN past a short list
@@ -125,7 +127,9 @@ def main() -> None:
         "retrieval": {"hits@1": round(100 * base.mean(), 2), "top1_cases": np.flatnonzero(base).tolist()}
     }
     weights = sorted({*args.weights, ranking.weight})  # and the bundle's calibrated one
-    fusions = [("rerank", 0.0), ("sum", 0.0), *[("zscore", w) for w in weights]]
+    fusions = [("rerank", 0.0, None), ("sum", 0.0, None), *[("zscore", w, None) for w in weights]]
+    if ranking.gate is not None:  # the bundle's default fusion behind its rerank gate, as served
+        fusions.append((bot.default_fusion, ranking.weight, ranking.gate))
     ref = scores.get("fp32")
     for variant, got in reranked.items():
         row: dict = {"ms_per_context": round(1000 * got.rerank_s / len(pairs), 1)}
@@ -136,9 +140,10 @@ def main() -> None:
             same = [np.nanargmax(a) == np.nanargmax(b) for a, b in lists]
             row["pearson_with_fp32"] = round(float(np.corrcoef(mine[ok], ref[ok])[0, 1]), 4)
             row["top1_as_fp32_%"] = round(100 * float(np.mean(same)), 2)
-        for fusion, w in fusions:
-            hit = hits_at_1(got, fusion, w)
+        for fusion, w, gate in fusions:
+            hit = hits_at_1(got, fusion, w, gate)
             name = fusion if fusion != "zscore" else f"zscore {w}"
+            name += "" if gate is None else ", gated"
             row[name] = {
                 "hits@1": round(100 * hit.mean(), 2),
                 "wins": int(((hit == 1) & (base == 0)).sum()),
@@ -154,6 +159,12 @@ def main() -> None:
         "pairs": f"{args.split}[{args.start}:{args.start + len(pairs)}]",
         "first_stage": {"lexical": bot.bundle.manifest.get("lexical"), "guard": "on"},
         "served_weight": ranking.weight,
+        "gate": {
+            "margin": ranking.gate,
+            "skipped_%": round(
+                100 * float(np.mean([confident(c, ranking.gate) for c in recalled.candidates])), 2
+            ),
+        },
         "gold_in_pool_%": round(100 * gold_in_pool, 2),
         "rows": rows,
     }

@@ -3,9 +3,9 @@ off and on (coreply/restatement.py), through the code the service runs (``Respon
 
 Per setting: hits@1 and hits@10 of the gold reply over the bundle's whole pool (protocol B, in the
 order of the first stage and, for a bundle with a reranker, also in the order it serves: its first 10
-reranked and fused as calibrated), the latency per context (answers batched by 64, and whole requests
-one at a time), and two restatement rates of the top answer, each beside the rate of the human replies
-themselves:
+reranked and fused as calibrated, always and, with a rerank gate, only where the first stage does not
+lead past it), the latency per context (answers batched by 64, and whole requests one at a time), and
+two restatement rates of the top answer, each beside the rate of the human replies themselves:
 
 - *judge*: cosine with the last turn >= 0.8 under zero-shot all-MiniLM-L6-v2 (``coreply eval``'s
   metric, evaluation/restatement.py). The default bundle's retriever starts from that model, so its
@@ -44,7 +44,7 @@ from coreply.bundle import BACKENDS
 from coreply.checkpoint import load_bi
 from coreply.config import ZERO_SHOT
 from coreply.corpus import load_chitchat
-from coreply.ranking import FUSIONS, Query, order
+from coreply.ranking import FUSIONS, Query, confident, order
 from coreply.responder import Responder
 from coreply.text import normalize
 from evaluation.metrics import paired_bootstrap
@@ -59,26 +59,29 @@ PROMPTS = [
 
 
 def top_answers(
-    ranking: Any, pairs: list, allow: bool = False, fusion: str = "retrieval"
+    ranking: Any, pairs: list, allow: bool = False, fusion: str = "retrieval", gate: float | None = None
 ) -> tuple[list[list[str]], list[str | None]]:
     """Answer through ``ranking`` in batches of 64, 10 candidates each, reranked and fused by ``fusion``
-    unless it is ``retrieval`` (as ``Responder.respond`` does one at a time): per pair the keys of its
-    top 10 and its top text."""
+    unless it is ``retrieval`` or the first stage leads past ``gate`` (as ``Responder.respond`` does one
+    at a time): per pair the keys of its top 10 and its top text."""
     ids = []
     for s in range(0, len(pairs), 64):
         queries = [Query(tuple(p.context), allow_restatements=allow) for p in pairs[s : s + 64]]
         candidates = ranking.recall(queries, [10] * len(queries))
-        if fusion != "retrieval":
-            ranking.rerank(queries, candidates, 10)
-        ids += [c.ids[order(c, fusion, 10, ranking.weight)[0]] for c in candidates]
+        fusions = ["retrieval" if confident(c, gate) else fusion for c in candidates]
+        todo = [i for i, f in enumerate(fusions) if f != "retrieval"]
+        if todo:
+            ranking.rerank([queries[i] for i in todo], [candidates[i] for i in todo], 10)
+        ids += [c.ids[order(c, f, 10, ranking.weight)[0]] for c, f in zip(candidates, fusions, strict=True)]
     ranked = [[ranking.keys[j] for j in i] for i in ids]
     return ranked, [ranking.texts[i[0]] if len(i) else None for i in ids]
 
 
-def setting(allow: bool, fusion: str) -> str:
-    """A setting's name: the guard off or on, in the first stage's order or reranked by ``fusion``."""
+def setting(allow: bool, fusion: str, gated: bool = False) -> str:
+    """A setting's name: the guard off or on, in the first stage's order or reranked by ``fusion`` (where
+    the bundle's rerank gate lets it, when ``gated``)."""
     name = "guard off" if allow else "guard on"
-    return name if fusion == "retrieval" else f"{name}, reranked ({fusion})"
+    return name if fusion == "retrieval" else f"{name}, reranked ({fusion}{', gated' if gated else ''})"
 
 
 def sweep(args: argparse.Namespace) -> None:
@@ -199,12 +202,16 @@ def main() -> None:
     if args.fusion and ranking.reranker is None:
         raise SystemExit(f"--fusion: {args.bundle} has no reranker; leave --fusion out")
     reranked = (args.fusion or [bot.default_fusion]) if ranking.reranker else []
-    fusions = ["retrieval", *reranked]  # the first stage, then each fusion of the reranked candidates
-    for fusion, allow in [(f, a) for f in fusions for a in (True, False)]:
+    # the first stage, then each fusion of the reranked candidates; as served, also behind the gate
+    runs: list[tuple[str, float | None]] = [("retrieval", None), *[(f, None) for f in reranked]]
+    if ranking.reranker and not args.fusion and ranking.gate is not None:
+        runs.append((bot.default_fusion, ranking.gate))
+    for (fusion, gate), allow in [(r, a) for r in runs for a in (True, False)]:
         start = time.perf_counter()
-        ranked, top = top_answers(ranking, pairs, allow, fusion)
+        ranked, top = top_answers(ranking, pairs, allow, fusion, gate)
         ms = 1000 * (time.perf_counter() - start) / len(pairs)
-        name = setting(allow, fusion)
+        name = setting(allow, fusion, gate is not None)
+        named = None if gate is not None else fusion  # a request that names no fusion is gated
         top1[name] = np.array([r[:1] == [g] for r, g in zip(ranked, gold, strict=True)], dtype=float)
         result["settings"][name] = {
             "hits@1": round(100 * float(top1[name].mean()), 2),
@@ -213,23 +220,23 @@ def main() -> None:
             "restates_words": words_rate(contexts, top),
             "ms_per_context_batched": round(ms, 2),
         }
-        answers = [bot.respond(c, fusion=fusion, allow_restatements=allow) for c in PROMPTS]
+        answers = [bot.respond(c, fusion=named, allow_restatements=allow) for c in PROMPTS]
         result["prompts"][name] = [a[0].text if a else None for a in answers]
         one = []  # one context at a time, as a lone client's request is answered
         for c in contexts[: args.single]:
             start = time.perf_counter()
-            bot.respond(c, fusion=fusion, allow_restatements=allow)
+            bot.respond(c, fusion=named, allow_restatements=allow)
             one.append(1000 * (time.perf_counter() - start))
         result["settings"][name]["ms_one_context_p50"] = round(float(np.median(one)), 2)
         print(name, result["settings"][name], flush=True)
     # one-sided paired bootstrap: is hits@1 without the guard higher than with it?
     result["p_guard_costs_hits@1"] = round(paired_bootstrap(top1["guard off"], top1["guard on"]), 4)
-    if len(fusions) > 1:  # and is it higher reranked than in the first stage's order?
+    if len(runs) > 1:  # and is it higher reranked than in the first stage's order?
         result["p_rerank_gains_hits@1"] = {  # per reranked setting, against the same guard unreranked
-            setting(allow, f): round(
-                paired_bootstrap(top1[setting(allow, f)], top1[setting(allow, "retrieval")]), 4
+            setting(allow, f, g is not None): round(
+                paired_bootstrap(top1[setting(allow, f, g is not None)], top1[setting(allow, "retrieval")]), 4
             )
-            for f in fusions[1:]
+            for f, g in runs[1:]
             for allow in (True, False)
         }
     result["top1_cases"] = {name: np.flatnonzero(hit).tolist() for name, hit in top1.items()}

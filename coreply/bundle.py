@@ -560,11 +560,13 @@ def default_fusion(manifest: dict[str, Any]) -> str:
 
 def pipeline(bundle: Bundle, backend: Any, index: Any = None) -> Pipeline:
     """The bundle's ranking pipeline on ``backend`` (over ``index``, default the bundle's own), with the
-    z-score weight and restatement guard it was calibrated with, and the rerank stage of
-    :func:`rerank_stage`."""
+    z-score weight, rerank gate and restatement guard it was calibrated with, and the rerank stage of
+    :func:`rerank_stage`. Bundles built before the gate have none (every default request reranks)."""
     from coreply.ranking import ZSCORE_WEIGHT, Pipeline
 
-    weight = float(bundle.manifest.get("fusion", {}).get("zscore_weight", ZSCORE_WEIGHT))
+    fusion = bundle.manifest.get("fusion", {})
+    weight = float(fusion.get("zscore_weight", ZSCORE_WEIGHT))
+    gate = fusion.get("gate", {}).get("margin")
     guard = bundle.manifest.get("restatement")
     index = bundle.index if index is None else index
     if guard or (backend.poly_codes and not backend.has_cross):
@@ -582,4 +584,5 @@ def pipeline(bundle: Bundle, backend: Any, index: Any = None) -> Pipeline:
         reads_knowledge=backend.reads_knowledge,
         guard=Guard.of(guard) if guard else None,
         lexical=bundle.lexical,
+        gate=None if gate is None else float(gate),
     )

@@ -125,6 +125,24 @@ def fuse(mode: str, retrieval: np.ndarray, rerank: np.ndarray, weight: float = Z
     raise ValueError(f"unknown fusion {mode!r}; expected one of {FUSIONS}")
 
 
+def lead(candidates: Candidates) -> float:
+    """How far the first stage's best candidate leads its second: the difference of their scores (inf
+    with fewer than two, where no reranker can change the answer)."""
+    scores = candidates.first_stage
+    if len(scores) < 2:
+        return float("inf")
+    second, best = np.partition(scores, len(scores) - 2)[-2:]
+    return float(best - second)
+
+
+def confident(candidates: Candidates, gate: float | None) -> bool:
+    """Whether the first stage's :func:`lead` reaches ``gate``. A bundle's rerank gate is the lead
+    past which, on its calibration pairs, the reranker's fused answer was no better than the first
+    stage's own (``evaluation.protocols.choose_gate``); a default request skips the reranker there. None:
+    no gate, never confident."""
+    return gate is not None and lead(candidates) >= gate
+
+
 def order(
     candidates: Candidates, fusion: str, n_r: int, weight: float = ZSCORE_WEIGHT
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -162,14 +180,14 @@ def score_lists(
 
 
 class Pipeline:
-    """A retriever over a pool, optionally a rerank stage, and the z-score weight the pool was
-    calibrated with. ``texts`` and ``keys`` (normalised texts) are the pool, row i = id i. The rerank
-    stage is the cross-encoder ``score_pairs`` when given, else with ``poly`` the Poly-encoder
-    retriever's own codes, else none. A cross-encoder that reads knowledge is given each query's
-    knowledge as ``select_knowledge`` narrows it (:meth:`ground`), or as the query carries it. With a
-    restatement ``guard``, recall drops candidates that restate the context (:mod:`coreply.restatement`);
-    with a ``lexical`` stage it then reorders them by the words they share with it
-    (:mod:`coreply.lexical`)."""
+    """A retriever over a pool, optionally a rerank stage, and the z-score weight and rerank ``gate``
+    (:func:`confident`) the pool was calibrated with. ``texts`` and ``keys`` (normalised texts) are the
+    pool, row i = id i. The rerank stage is the cross-encoder ``score_pairs`` when given, else with
+    ``poly`` the Poly-encoder retriever's own codes, else none. A cross-encoder that reads knowledge is
+    given each query's knowledge as ``select_knowledge`` narrows it (:meth:`ground`), or as the query
+    carries it. With a restatement ``guard``, recall drops candidates that restate the context
+    (:mod:`coreply.restatement`); with a ``lexical`` stage it then reorders them by the words they share
+    with it (:mod:`coreply.lexical`)."""
 
     def __init__(
         self,
@@ -183,9 +201,10 @@ class Pipeline:
         reads_knowledge: bool = False,
         guard: restatement.Guard | None = None,
         lexical: LexicalStage | None = None,
+        gate: float | None = None,
     ) -> None:
         self.retrieve, self.texts, self.keys = retrieve, texts, keys
-        self.score_pairs, self.weight = score_pairs, weight
+        self.score_pairs, self.weight, self.gate = score_pairs, weight, gate
         self.select_knowledge, self.reads_knowledge = select_knowledge, reads_knowledge
         self.guard, self.lexical = guard, lexical
         if poly and score_pairs is None and not hasattr(retrieve, "vectors"):

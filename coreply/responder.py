@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from coreply.bundle import Bundle, default_fusion, load_bundle, make_backend, pipeline, search_on
-from coreply.ranking import FUSIONS, Candidates, Query, order
+from coreply.ranking import FUSIONS, Candidates, Query, confident, order
 
 
 @dataclass(frozen=True)
@@ -62,8 +62,11 @@ class Responder:
         """The best ``top_k`` of ``n_candidates`` recalled for ``context`` (oldest utterance first), never
         a copy of a context turn nor an excluded response, nor (with the bundle's restatement guard,
         unless ``allow_restatements``) a restatement of a context turn; reranked and fused unless
-        ``fusion`` is ``retrieval`` (default: z-score fusion with a rerank stage, else retrieval).
-        ``knowledge`` (a persona, facts) grounds a reranker that reads it; default: the bundle's own."""
+        ``fusion`` is ``retrieval``. Default: the bundle's calibrated fusion, or retrieval without a
+        rerank stage, and in the first stage's order where it leads past the bundle's rerank gate
+        (:func:`~coreply.ranking.confident`); a named fusion always reranks. ``knowledge`` (a persona,
+        facts) grounds a reranker that reads it; default: the bundle's own."""
+        gated = fusion is None
         fusion = fusion or self.default_fusion
         if fusion not in FUSIONS:
             raise ValueError(f"fusion must be one of {FUSIONS}, got {fusion!r}")
@@ -78,6 +81,8 @@ class Responder:
             tuple(context), tuple(exclude_texts), frozenset(exclude_ids), tuple(knowledge), allow_restatements
         )
         (candidates,) = self.pipeline.recall([query], [n_candidates])
+        if gated and confident(candidates, self.pipeline.gate):
+            fusion = "retrieval"
         if fusion != "retrieval" and len(candidates.ids):
             self.pipeline.rerank(self.pipeline.ground([query]), [candidates], n_candidates)
         positions, final = order(candidates, fusion, n_candidates, self.pipeline.weight)

@@ -23,7 +23,17 @@ from coreply.bundle import TorchExactIndex
 from coreply.corpus import NegativeSampler, Pair, build_pool
 from coreply.models import BiEncoder, CrossEncoder, PolyEncoder, poly_scores
 from coreply.prior import Prior
-from coreply.ranking import ZSCORE_WEIGHT, Candidates, Hits, Pipeline, Query, order, score_lists
+from coreply.ranking import (
+    ZSCORE_WEIGHT,
+    Candidates,
+    Hits,
+    Pipeline,
+    Query,
+    confident,
+    lead,
+    order,
+    score_lists,
+)
 from coreply.text import normalize
 from evaluation.metrics import KS, gold_rank, summarize
 
@@ -196,9 +206,14 @@ def rerank(pairs: Sequence[Pair], got: Retrieved, ranking: Pipeline, n_r: int) -
     return Retrieved(candidates, got.retrieve_s, time.perf_counter() - start)
 
 
-def ranked_ids(got: Retrieved, fusion: str, n_r: int, weight: float = ZSCORE_WEIGHT) -> list[np.ndarray]:
-    """Per query, pool ids best first under a fusion of the top ``n_r``."""
-    return [c.ids[order(c, fusion, n_r, weight)[0]] for c in got.candidates]
+def ranked_ids(
+    got: Retrieved, fusion: str, n_r: int, weight: float = ZSCORE_WEIGHT, gate: float | None = None
+) -> list[np.ndarray]:
+    """Per query, pool ids best first under a fusion of the top ``n_r``; in the first stage's order
+    where it is :func:`~coreply.ranking.confident` past ``gate`` (as a gated bundle serves it)."""
+    return [
+        c.ids[order(c, "retrieval" if confident(c, gate) else fusion, n_r, weight)[0]] for c in got.candidates
+    ]
 
 
 def ranks_for(
@@ -208,10 +223,11 @@ def ranks_for(
     fusion: str,
     n_r: int,
     weight: float = ZSCORE_WEIGHT,
+    gate: float | None = None,
 ) -> list[float]:
-    """Rank of the gold under a fusion of the top ``n_r``."""
+    """Rank of the gold under a fusion of the top ``n_r`` (gated as :func:`ranked_ids`)."""
     ranks = []
-    for pair, ids in zip(pairs, ranked_ids(got, fusion, n_r, weight), strict=True):
+    for pair, ids in zip(pairs, ranked_ids(got, fusion, n_r, weight, gate), strict=True):
         gold = normalize(pair.response)
         hits = [r for r, j in enumerate(ids) if pool_keys[j] == gold]
         ranks.append(float(hits[0] + 1) if hits else float("inf"))
@@ -277,3 +293,33 @@ def choose_zscore_weight(
     ranks = {w / 10: ranks_for(pairs, pool_keys, got, "zscore", n_r, w / 10) for w in range(11)}
     grid = {w: summarize(r) for w, r in ranks.items()}
     return max(grid, key=lambda w: (grid[w]["hits@1"], grid[w]["mrr"], w)), ranks
+
+
+GATE_FIDELITY = 0.05
+"""The share of calibration contexts whose answer the rerank gate may change (docs/results.md §42)."""
+
+
+def choose_gate(
+    got: Retrieved, fusion: str, n_r: int, weight: float, fidelity: float = GATE_FIDELITY
+) -> float | None:
+    """The rerank gate: the smallest first-stage :func:`~coreply.ranking.lead` such that answering every
+    context that leads by at least that much in the first stage's order, instead of reranked and fused
+    by ``fusion``, changes the top answer of at most ``fidelity`` of ``got``'s contexts (None: no lead
+    does; always rerank). No labels are read: the gate keeps the reranker's answers, right or wrong, in
+    all but that share, so a bundle's hits@1 moves by at most that much either way. ``got`` holds rerank
+    scores of every context's first ``n_r``."""
+    if not 0 <= fidelity < 1:
+        raise ValueError(f"the gate's fidelity must be in [0, 1), got {fidelity}")
+    leads = np.array([lead(c) for c in got.candidates])  # [N]
+    changed = np.array(  # [N] the fused top answer is not the first stage's
+        [
+            len(c.ids) > 0 and order(c, fusion, n_r, weight)[0][0] != order(c, "retrieval", n_r)[0][0]
+            for c in got.candidates
+        ]
+    )
+    gate = None
+    for candidate in sorted(set(leads[np.isfinite(leads)].tolist()), reverse=True):
+        if changed[leads >= candidate].sum() > fidelity * len(leads):
+            break
+        gate = candidate
+    return gate

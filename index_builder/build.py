@@ -44,11 +44,17 @@ from coreply.corpus import Pair, distinct
 from coreply.device import resolve_device
 from coreply.inference import INT8, Backend, export_onnx
 from coreply.knowledge import trained_top_m
-from coreply.ranking import Pipeline
+from coreply.ranking import Pipeline, confident
 from coreply.text import normalize
 from coreply.tokenization import flat_pieces
 from evaluation.metrics import paired_bootstrap, summarize
-from evaluation.protocols import choose_zscore_weight, ranks_for, retrieve_and_rerank
+from evaluation.protocols import (
+    GATE_FIDELITY,
+    choose_gate,
+    choose_zscore_weight,
+    ranks_for,
+    retrieve_and_rerank,
+)
 from index_builder.faiss_index import EXACT, check_index_spec, make_index, recall_vs_exact
 
 ONNX_CHOICES = ("int8", "fp32", "none")
@@ -102,17 +108,29 @@ def calibrate_fusion(
     unless that z-score fusion puts the gold first significantly more often (one-sided paired bootstrap,
     p < :data:`SIGNIFICANT`): on the few thousand pairs a recipe can spare, a best-of-two by hits@1
     picks noise (docs/results.md §40.4). ``default`` fixes the fusion (a residual reranker is served as
-    a sum) and only the weight is chosen."""
+    a sum) and only the weight is chosen. Then the rerank gate under that fusion
+    (:func:`~evaluation.protocols.choose_gate`): where the first stage leads by more, a default request
+    is answered without the reranker, which changes at most 5 % of these pairs' answers."""
     got = retrieve_and_rerank(pairs, ranking, n_r, n_r)
     weight, ranks = choose_zscore_weight(pairs, ranking.keys, got, n_r)
     ranks = {"zscore": ranks[weight], "sum": ranks_for(pairs, ranking.keys, got, "sum", n_r)}
     first = {f: (np.array(r) == 1).astype(float) for f, r in ranks.items()}  # [N] each
     p = paired_bootstrap(first["zscore"], first["sum"])
+    fusion = default or ("zscore" if p < SIGNIFICANT else "sum")
+    gate = choose_gate(got, fusion, n_r, weight)
+    skipped = np.mean([confident(c, gate) for c in got.candidates]) if got.candidates else 0.0
+    gated = ranks_for(pairs, ranking.keys, got, fusion, n_r, weight, gate)
     return {
-        "default": default or ("zscore" if p < SIGNIFICANT else "sum"),
+        "default": fusion,
         "zscore_weight": weight,
         "hits@1": {f: round(summarize(r)["hits@1"], 2) for f, r in ranks.items()},
         "p_zscore_better": round(p, 4),
+        "gate": {
+            "margin": gate,
+            "fidelity": GATE_FIDELITY,
+            "skipped_%": round(100 * float(skipped), 2),
+            "hits@1": {"gated": round(summarize(gated)["hits@1"], 2)},
+        },
         "calibrated_on": f"{len(pairs)} held-out pairs, hits@1 at n_r={n_r}",
     }
 

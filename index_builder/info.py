@@ -49,7 +49,14 @@ def _fusion(m: dict[str, Any]) -> str:
     fusion = m.get("fusion", {})
     calibrated = "calibrated_on" in fusion
     weight = f"{fusion['zscore_weight']} ({fusion['calibrated_on']})" if calibrated else "not calibrated"
-    return f"{default_fusion(m)} by default, z-score weight {weight}"
+    gate = fusion.get("gate", {})
+    gated = (
+        f"; reranks only where the first stage leads by less than {gate['margin']} "
+        f"({gate['skipped_%']} % of the calibration contexts skipped it)"
+        if gate.get("margin") is not None
+        else ""
+    )
+    return f"{default_fusion(m)} by default, z-score weight {weight}{gated}"
 
 
 def _guard(entry: dict[str, Any] | None) -> str:

@@ -16,7 +16,7 @@ import numpy as np
 from coreply.bundle import Bundle, default_fusion, make_backend, pipeline
 from coreply.device import resolve_device, set_threads
 from coreply.inference import Backend
-from coreply.ranking import Candidates, Query, order
+from coreply.ranking import Candidates, Query, confident, order
 from coreply.responder import replies
 from service.batching import MicroBatcher
 from service.cascade import Cascade
@@ -32,6 +32,7 @@ class Job:
     fusion: str
     deadline: float | None = None  # time.perf_counter() value; queued work past it is dropped
     min_retrieval_score: float | None = None  # responses below it are dropped; none left: the fallback
+    gated: bool = False  # the bundle's rerank gate applies (no fusion named): a confident first stage answers
 
 
 class Engine:
@@ -132,6 +133,9 @@ class Engine:
         done = await self.retriever.submit((job.query, n_candidates), deadline=job.deadline)
         self._account(done, timings, "retrieve")
         candidates: Candidates = done.result
+        gated = fusion != "retrieval" and job.gated and confident(candidates, self.pipeline.gate)
+        if gated:
+            fusion = "retrieval"
         if fusion != "retrieval" and len(candidates.ids):
             done = await self.reranker.submit(
                 (job.query, candidates), size=len(candidates.ids), deadline=job.deadline
@@ -164,6 +168,7 @@ class Engine:
         return {
             "responses": responses,
             "fusion": fusion,
+            "rerank_gated": gated,
             "n_candidates": len(candidates.ids),
             "bundle_version": self.bundle.version,
             "timings_ms": {name: round(1000 * s, 3) for name, s in timings.items()},

@@ -77,6 +77,7 @@ def build_router(settings: Settings, request_model: type) -> APIRouter:
             "responses": len(engine.bundle.texts),
             "backend": engine.backend.name,
             "reranker": engine.pipeline.reranker,
+            "rerank_gate": engine.pipeline.gate if engine.settings.rerank_gate else None,
             "restatement_guard": engine.bundle.manifest.get("restatement"),
             "response_prior": engine.bundle.manifest.get("prior"),
             "lexical": engine.bundle.manifest.get("lexical"),

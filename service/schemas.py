@@ -65,7 +65,7 @@ def respond_request_model(settings: Settings) -> type[RespondBase]:
                 description="final score: retrieval only (the first stage: dense, fused with BM25 where the "
                 "bundle has a lexical stage), rerank only, their sum, or z-score fusion with the bundle's "
                 "calibrated weight; default: with a reranker the one the bundle was calibrated with (sum or "
-                "zscore), else retrieval",
+                "zscore) where the first stage does not lead past the bundle's rerank gate, else retrieval",
             ),
         ),
         min_retrieval_score=(
@@ -130,7 +130,14 @@ class Degraded(BaseModel):
 
 class RespondResponse(BaseModel):
     responses: list[Candidate]
-    fusion: Fusion = Field(description="the fusion used (retrieval when the cascade skipped reranking)")
+    fusion: Fusion = Field(
+        description="the fusion used (retrieval when the cascade or the rerank gate skipped reranking)"
+    )
+    rerank_gated: bool = Field(
+        False,
+        description="the first stage led by more than the bundle's rerank gate (GET /readyz), so this "
+        "request, which named no fusion, was answered without the reranker (COREPLY_RERANK_GATE)",
+    )
     n_candidates: int
     bundle_version: str
     timings_ms: dict[str, float] = Field(

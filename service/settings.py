@@ -57,6 +57,11 @@ class Settings(BaseSettings):
         20, ge=1, le=600, description="on SIGTERM, longest wait for in-flight requests to finish"
     )
 
+    rerank_gate: bool = Field(
+        True,
+        description="a request that names no fusion skips the reranker where the first stage leads past the "
+        "bundle's calibrated rerank gate (GET /readyz); false: every such request reranks",
+    )
     # load-adaptive cascade (service/cascade.py): shrink n_r, then skip the reranker, while requests queue
     cascade: bool = Field(True, description="degrade under sustained queueing (reported per response)")
     cascade_high_ms: float = Field(100.0, ge=0, description="mean queue wait that steps the level up")

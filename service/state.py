@@ -44,7 +44,8 @@ def make_job(body: Any, engine: Engine, deadline: float | None = None) -> Job:
         allow_restatements=body.allow_restatements,
     )
     fusion = body.fusion or engine.default_fusion
-    return Job(query, body.top_k, n, fusion, deadline, body.min_retrieval_score)
+    gated = body.fusion is None and engine.settings.rerank_gate
+    return Job(query, body.top_k, n, fusion, deadline, body.min_retrieval_score, gated)
 
 
 class ServiceState:

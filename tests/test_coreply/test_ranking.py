@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from coreply.ranking import Candidates, Hits, Pipeline, Query, fuse, order, score_lists
+from coreply.ranking import Candidates, Hits, Pipeline, Query, confident, fuse, lead, order, score_lists
 from coreply.text import normalize
 
 POOL = ["a", "b", "c", "Hello", "d", "e"]
@@ -19,6 +19,14 @@ def test_fusion_math():
     np.testing.assert_allclose(z, by_hand, atol=1e-5)
     with pytest.raises(ValueError, match="unknown fusion"):
         fuse("max", r, g)
+
+
+def test_the_first_stages_lead_and_the_gate():
+    hybrid = Candidates(np.array([0, 1, 2]), np.array([0.0, 9.0, 1.0]), hybrid=np.array([2.0, 3.5, 0.0]))
+    assert lead(hybrid) == 1.5  # the scores it is ordered by (with a lexical stage: the hybrid ones)
+    assert confident(hybrid, 1.5) and not confident(hybrid, 1.6) and not confident(hybrid, None)
+    lone = Candidates(np.array([4]), np.array([1.0]))
+    assert lead(lone) == float("inf") and confident(lone, 100.0)  # nothing a reranker could reorder
 
 
 def test_keep_drops_padding_echoes_and_exclusions_by_text_and_id():

@@ -78,6 +78,10 @@ def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):
         ("rerank_precision.py", ["--keep-fp32", "("], "--keep-fp32: "),
         ("rerank_precision.py", ["--out", str(tmp_path / "no/x.json")], "--out: "),
         ("rerank_precision.py", ["--start", "100000"], "--start 100000: "),
+        ("rerank_gate.py", ["--bundle", str(tmp_path)], "--bundle: "),
+        ("rerank_gate.py", ["--bundle", str(tiny_bundle), "--fidelity", "1"], "--fidelity: "),
+        ("rerank_gate.py", ["--bundle", str(tiny_bundle), "--measure", "test:0"], "--measure: "),
+        ("rerank_gate.py", ["--bundle", str(tiny_bundle), "--calibrate", "train:0:5"], "--calibrate: "),
         ("guard_rules.py", ["--words", "0.995", "1"], "--words: "),
         ("guard_rules.py", ["--depth", "3"], "--depth"),
         ("guard_rules.py", ["--bundle", str(tmp_path)], "--bundle: "),
@@ -115,6 +119,23 @@ def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):
         )
         assert run.returncode != 0 and run.stderr.startswith(flag) and len(run.stderr.splitlines()) == 1, (
             run.stderr
+        )
+
+
+def test_rerank_gate_chooses_gates_on_one_span_and_scores_them_on_others(tmp_path, tiny_bundle):
+    out = tmp_path / "gate.json"
+    bench("rerank_gate.py", "--bundle", str(tiny_bundle), "--calibrate", "valid:0:12", "--measure",
+          "test:0:8", "--fidelity", "0", "0.5", "--out", str(out))  # fmt: skip
+    result = json.loads(out.read_text())
+    assert set(result["spans"]) == {"valid[0:12]", "test[0:8]"} and result["calibrated_on"] == "valid[0:12]"
+    calibration = result["spans"]["valid[0:12]"]
+    assert calibration["always rerank"]["skipped_%"] == 0 == calibration["always rerank"]["changed_%"]
+    assert calibration["fidelity 0"]["changed_%"] == 0 and calibration["fidelity 0.5"]["changed_%"] <= 50
+    assert calibration["fidelity 0.5"]["skipped_%"] >= calibration["fidelity 0"]["skipped_%"]
+    for rows in result["spans"].values():
+        gated = [r for r in rows.values() if "gate" in r]
+        assert 0 <= rows["first stage"]["hits@1"] <= 100 and all(
+            0 <= r["p_always_better"] <= 1 for r in gated
         )
 
 

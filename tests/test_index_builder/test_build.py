@@ -43,20 +43,10 @@ def test_bundle_round_trip(tiny_bundle):
     assert fusion["default"] == ("zscore" if fusion["p_zscore_better"] < 0.05 else "sum")
 
 
-def test_calibration_serves_the_sum_unless_a_z_score_weight_ranks_significantly_better():
-    """Three candidates each: the sum of the two models' scores puts the gold first in lists a and b,
-    while every z-score weight of the 0.0..1.0 grid misses one of them; in list c the first stage's
-    scores are so wide that the sum keeps its (wrong) order and only a z-score reorders it."""
-    from coreply.corpus import Pair
+def _scripted_pipeline(texts, recalled, rerank):
+    """A pipeline whose first stage recalls ``recalled[last turn]`` (ids, scores) and whose reranker
+    scores a text as ``rerank[text]``."""
     from coreply.ranking import Hits, Pipeline
-    from index_builder.build import calibrate_fusion
-
-    texts = ["gold a", "a1", "a2", "b0", "b1", "gold b", "c0", "c1", "gold c"]
-    recalled = {"a": ([0, 1, 2], [9.0, 5.0, 2.0]), "b": ([3, 4, 5], [4.0, 2.0, 0.0])}  # ids, scores
-    recalled["c"] = ([6, 7, 8], [100.0, 50.0, 0.0])
-    rerank = dict(
-        zip(texts, [2.0, 0.0, 7.0, 4.0, 1.0, 9.0, 0.0, 1.0, 5.0], strict=True)
-    )  # sums 11 5 9 | 8 3 9
 
     def retrieve(contexts, k):
         rows = [recalled[c[-1]] for c in contexts]
@@ -65,15 +55,59 @@ def test_calibration_serves_the_sum_unless_a_z_score_weight_ranks_significantly_
     def score_pairs(contexts, responses, knowledge=None):
         return np.array([rerank[r] for r in responses])
 
-    ranking = Pipeline(retrieve, texts, [normalize(t) for t in texts], score_pairs)
+    return Pipeline(retrieve, texts, [normalize(t) for t in texts], score_pairs)
+
+
+def test_calibration_serves_the_sum_unless_a_z_score_weight_ranks_significantly_better():
+    """Three candidates each: the sum of the two models' scores puts the gold first in lists a and b,
+    while every z-score weight of the 0.0..1.0 grid misses one of them; in list c the first stage's
+    scores are so wide that the sum keeps its (wrong) order and only a z-score reorders it."""
+    from coreply.corpus import Pair
+    from index_builder.build import calibrate_fusion
+
+    texts = ["gold a", "a1", "a2", "b0", "b1", "gold b", "c0", "c1", "gold c"]
+    recalled = {"a": ([0, 1, 2], [9.0, 5.0, 2.0]), "b": ([3, 4, 5], [4.0, 2.0, 0.0])}  # ids, scores
+    recalled["c"] = ([6, 7, 8], [100.0, 50.0, 0.0])
+    rerank = dict(
+        zip(texts, [2.0, 0.0, 7.0, 4.0, 1.0, 9.0, 0.0, 1.0, 5.0], strict=True)
+    )  # sums 11 5 9 | 8 3 9
+    ranking = _scripted_pipeline(texts, recalled, rerank)
     pairs = [Pair(("a",), "gold a"), Pair(("b",), "gold b")]
     fusion = calibrate_fusion(ranking, pairs, n_r=3)
     assert fusion["default"] == "sum" and fusion["hits@1"] == {"zscore": 50.0, "sum": 100.0}
+    assert fusion["gate"]["margin"] == 4.0  # a's answer is the first stage's: a is skipped, b reranked
     assert calibrate_fusion(ranking, pairs, n_r=3, default="zscore")["default"] == "zscore"  # fixed
     level = calibrate_fusion(ranking, [*pairs, Pair(("c",), "gold c")] * 2, n_r=3)
     assert level["hits@1"]["zscore"] == level["hits@1"]["sum"] and level["default"] == "sum"  # a tie: the sum
     many_c = calibrate_fusion(ranking, pairs + [Pair(("c",), "gold c")] * 20, n_r=3)
     assert many_c["default"] == "zscore" and many_c["p_zscore_better"] < 0.05
+
+
+def test_the_rerank_gate_skips_the_reranker_only_where_it_would_not_change_the_answer():
+    """List a: the first stage leads by 4 and the fused answer is its own; list b: it leads by 2 and
+    the sum reorders it. The gate skips the reranker on a and reranks b, so no answer changes; allowed
+    to change one of the two, it skips both. The gate reads no labels: b's gold is not first either way."""
+    from coreply.corpus import Pair
+    from coreply.ranking import confident
+    from evaluation.protocols import choose_gate, ranks_for, retrieve_and_rerank
+    from index_builder.build import calibrate_fusion
+
+    texts = ["gold a", "a1", "a2", "b0", "gold b", "b2"]
+    recalled = {"a": ([0, 1, 2], [9.0, 5.0, 2.0]), "b": ([3, 4, 5], [4.0, 2.0, 0.0])}  # leads 4 and 2
+    rerank = dict(zip(texts, [0.0, 3.0, 0.0, 0.0, 0.0, 9.0], strict=True))  # sums 9 8 2 | 4 2 9
+    ranking = _scripted_pipeline(texts, recalled, rerank)
+    pairs = [Pair(("a",), "gold a"), Pair(("b",), "gold b")]
+    fusion = calibrate_fusion(ranking, pairs, n_r=3)
+    assert fusion["default"] == "sum"
+    gate = fusion["gate"]
+    assert gate == {"margin": 4.0, "fidelity": 0.05, "skipped_%": 50.0, "hits@1": {"gated": 50.0}}
+    got = retrieve_and_rerank(pairs, ranking, 3, 3)
+    assert [confident(c, gate["margin"]) for c in got.candidates] == [True, False]
+    assert ranks_for(pairs, ranking.keys, got, "sum", 3, gate=4.0) == [1.0, 3.0]  # as always reranking
+    assert choose_gate(got, "sum", 3, 0.0, fidelity=0.5) == 2.0  # one answer may change: both skipped
+    assert ranks_for(pairs, ranking.keys, got, "sum", 3, gate=2.0) == [1.0, 2.0]
+    with pytest.raises(ValueError, match="fidelity"):
+        choose_gate(got, "sum", 3, 0.0, fidelity=1.0)
 
 
 def test_duplicates_are_dropped_and_ids_stay_in_order(tmp_path, tiny_core):
@@ -690,7 +724,8 @@ def test_a_residual_reranker_is_served_as_a_sum_behind_its_own_retriever_only(
     assert fusion["default"] == "sum" and "zscore_weight" in fusion
     from fastapi.testclient import TestClient
 
-    with TestClient(create_app(Settings(bundle=tmp_path / "b", threads=1, backend="torch"))) as client:
+    settings = Settings(bundle=tmp_path / "b", threads=1, backend="torch", rerank_gate=False)  # always rerank
+    with TestClient(create_app(settings)) as client:
         got = client.post("/respond", json={"context": list(toy_pairs[0].context), "top_k": 2})
     assert got.status_code == 200 and got.json()["fusion"] == "sum"
 

@@ -14,7 +14,7 @@ from conftest import TOPICS
 from fastapi.testclient import TestClient
 
 from coreply.bundle import load_bundle
-from coreply.ranking import zscore
+from coreply.ranking import Query, lead, zscore
 from index_builder.build import build_bundle
 from service.app import create_app
 from service.batching import DeadlineExceeded, MicroBatcher, Overloaded
@@ -71,7 +71,8 @@ def test_fusion_modes(client, tiny_bundle):
     assert [r["score"] for r in rerank["responses"]] == [r["rerank_score"] for r in rerank["responses"]]
     calibrated = load_bundle(tiny_bundle).manifest["fusion"]  # at build time
     default = post(client, context=context, top_k=5, n_candidates=5).json()  # every candidate returned
-    assert default["fusion"] == calibrated["default"] and len(default["responses"]) == 5
+    assert default["fusion"] == ("retrieval" if default["rerank_gated"] else calibrated["default"])
+    assert len(default["responses"]) == 5
     for fusion in ("zscore", "sum"):
         got = post(client, context=context, top_k=5, n_candidates=5, fusion=fusion).json()["responses"]
         r = np.array([c["retrieval_score"] for c in got])
@@ -96,11 +97,40 @@ def test_service_and_evaluation_rank_identically(tiny_bundle):
     contexts = [["hello", q] for q, _ in TOPICS.values()] + [[a] for _, a in TOPICS.values()]
     pairs = [Pair(tuple(c), "") for c in contexts]
     got = retrieve_and_rerank(pairs, pipeline(bundle, backend), 5, 5)
+    gate = float(np.median([lead(c) for c in got.candidates]))  # about half the contexts pass it
     with TestClient(create_app(Settings(bundle=tiny_bundle, threads=1, backend="torch", **LIMITS))) as c:
-        for fusion in ("retrieval", "rerank", "sum", "zscore"):
-            answers = [post(c, context=x, top_k=5, n_candidates=5, fusion=fusion).json() for x in contexts]
-            evaluated = [ids.tolist() for ids in ranked_ids(got, fusion, 5, weight)]
-            assert [[r["id"] for r in a["responses"]] for a in answers] == evaluated, fusion
+        engine = c.app.state.engine
+        engine.pipeline.gate = gate
+        for fusion in ("retrieval", "rerank", "sum", "zscore", None):  # None: the default, gated
+            body = {} if fusion is None else {"fusion": fusion}
+            answers = [post(c, context=x, top_k=5, n_candidates=5, **body).json() for x in contexts]
+            ids = ranked_ids(got, fusion or engine.default_fusion, 5, weight, None if fusion else gate)
+            assert [[r["id"] for r in a["responses"]] for a in answers] == [i.tolist() for i in ids], fusion
+        assert 0 < sum(a["rerank_gated"] for a in answers) < len(answers)
+
+
+def test_a_request_that_names_no_fusion_skips_the_reranker_where_the_first_stage_leads_past_the_gate(
+    tiny_bundle,
+):
+    context = ["what is your favorite food ?"]
+    with TestClient(create_app(Settings(bundle=tiny_bundle, threads=1, **LIMITS))) as c:
+        engine = c.app.state.engine
+        fusion = engine.default_fusion
+        (candidates,) = engine.pipeline.recall([Query(tuple(context))], [5])
+        engine.pipeline.gate = lead(candidates)  # reached: the first stage answers
+        gated = post(c, context=context, top_k=3, n_candidates=5).json()
+        assert gated["rerank_gated"] and gated["fusion"] == "retrieval" and gated["timings_ms"]["rerank"] == 0
+        assert all(r["rerank_score"] is None for r in gated["responses"])
+        named = post(c, context=context, top_k=3, n_candidates=5, fusion=fusion).json()  # always reranks
+        assert not named["rerank_gated"] and named["fusion"] == fusion
+        engine.pipeline.gate = lead(candidates) + 1e-3  # not reached
+        assert post(c, context=context, n_candidates=5).json()["fusion"] == fusion
+        assert c.get("/readyz").json()["rerank_gate"] == engine.pipeline.gate
+    with TestClient(create_app(Settings(bundle=tiny_bundle, threads=1, rerank_gate=False, **LIMITS))) as c:
+        c.app.state.engine.pipeline.gate = -1.0  # every lead reaches it, and it is off
+        got = post(c, context=context, n_candidates=5).json()
+        assert not got["rerank_gated"] and got["fusion"] == fusion
+        assert c.get("/readyz").json()["rerank_gate"] is None
 
 
 def test_the_service_guards_against_restatements_like_the_library_unless_a_request_allows_them(

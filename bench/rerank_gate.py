@@ -1,0 +1,127 @@
+"""How much reranking can a bundle's rerank gate skip, and what does it cost? A gate lets a request that
+names no fusion skip the reranker where the first stage's best candidate leads its second by at least
+the gate (``coreply.ranking.confident``); a bundle's gate is chosen on its calibration pairs as the
+smallest lead that changes at most a share (the *fidelity*) of their top answers against always
+reranking (``evaluation.protocols.choose_gate``).
+
+The bundle's first stage as served (guard, prior, lexical stage) recalls 10 candidates per context of
+each span once and its reranker (as served: int8 ONNX unless ``--backend`` says otherwise) scores them
+all; a gate is then chosen on the ``--calibrate`` span at each ``--fidelity``, and on every
+``--measure`` span each gate, the bundle's own, none (always rerank) and the first stage alone are
+scored: hits@1, the share of contexts the gate skips, the share of top answers that differ from always
+reranking, and one-sided paired bootstrap p-values that the gated answer beats the first stage's and
+that always reranking beats the gated answer.
+
+    python bench/rerank_gate.py --bundle artifacts/cand-r11-hard-gate --out docs/rerank-gate-r11-hard.json
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+
+from bench import provenance  # bench/bench.py: this script's directory is on sys.path
+from coreply.artifacts import write_json_atomic
+from coreply.bundle import BACKENDS, BundleError
+from coreply.corpus import load_chitchat
+from coreply.ranking import confident
+from coreply.responder import Responder
+from evaluation.metrics import paired_bootstrap
+from evaluation.protocols import choose_gate, ranked_ids, ranks_for, retrieve_and_rerank
+
+N_R = 10
+
+
+def span(flag: str, text: str) -> tuple[str, int, int]:
+    """``split:start:limit`` (e.g. ``valid:2000:4622``) as a tuple; a one-line exit naming ``flag``."""
+    try:
+        split, start, limit = text.split(":")
+        parsed = (split, int(start), int(limit))
+    except ValueError:
+        raise SystemExit(f"{flag}: {text!r} is not split:start:limit, e.g. test:0:2000") from None
+    if split not in ("valid", "test") or parsed[1] < 0 or parsed[2] < 1:
+        raise SystemExit(f"{flag}: {text!r} needs split valid or test, start >= 0 and limit >= 1")
+    return parsed
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bundle", required=True, help="a bundle with a reranker")
+    p.add_argument("--backend", default="auto", help=f"as served: {', '.join(BACKENDS)}")
+    p.add_argument("--calibrate", default="valid:0:2000", help="split:start:limit the gates are chosen on")
+    p.add_argument(
+        "--measure", nargs="+", default=["test:0:2000", "valid:2000:4622"], help="split:start:limit"
+    )
+    p.add_argument("--fidelity", type=float, nargs="+", default=[0.01, 0.02, 0.05, 0.1, 0.2])
+    p.add_argument("--out", type=Path, default=None, help="JSON file to write")
+    args = p.parse_args()
+    args.calibrate = span("--calibrate", args.calibrate)
+    args.measure = [span("--measure", m) for m in args.measure]
+    if bad := [f for f in args.fidelity if not 0 <= f < 1]:
+        raise SystemExit(f"--fidelity: each in [0, 1), got {bad}")
+    if args.backend not in BACKENDS:
+        raise SystemExit(f"--backend: one of {', '.join(BACKENDS)}, got {args.backend!r}")
+    if args.out is not None and not args.out.parent.is_dir():
+        raise SystemExit(f"--out: {args.out.parent} is not a folder; create it or name another")
+    try:
+        bot = Responder.load(args.bundle, backend=args.backend)
+    except BundleError as exc:
+        raise SystemExit(f"--bundle: {exc}") from None
+    ranking, fusion, weight = bot.pipeline, bot.default_fusion, bot.pipeline.weight
+    if ranking.reranker is None:
+        raise SystemExit(f"--bundle {args.bundle}: has no reranker, so nothing to gate")
+
+    splits = load_chitchat()
+    spans = [args.calibrate, *args.measure]
+    got, pairs = {}, {}
+    for split, start, limit in spans:
+        name = f"{split}[{start}:{start + limit}]"
+        pairs[name] = splits[split][start : start + limit]
+        got[name] = retrieve_and_rerank(pairs[name], ranking, N_R, N_R)
+        print(f"{name}: {len(pairs[name])} contexts recalled and reranked", flush=True)
+    calibration = f"{args.calibrate[0]}[{args.calibrate[1]}:{sum(args.calibrate[1:])}]"
+    gates: dict[str, float | None] = {"always rerank": None, "the bundle's own": ranking.gate}
+    gates |= {f"fidelity {f:g}": choose_gate(got[calibration], fusion, N_R, weight, f) for f in args.fidelity}
+    result: dict = provenance() | {
+        "bundle": args.bundle,
+        "fusion": fusion,
+        "calibrated_on": calibration,
+        "gates": gates,
+        "spans": {},
+    }
+    for name, retrieved in got.items():
+
+        def top1(fusion_: str, gate: float | None, retrieved=retrieved, name=name) -> np.ndarray:
+            ranks = ranks_for(pairs[name], ranking.keys, retrieved, fusion_, N_R, weight, gate)
+            return (np.array(ranks) == 1).astype(float)  # [N]
+
+        first, full = top1("retrieval", None), top1(fusion, None)
+        answers = [ids[:1].tolist() for ids in ranked_ids(retrieved, fusion, N_R, weight)]
+        rows: dict = {"first stage": {"hits@1": round(100 * first.mean(), 2)}}
+        for label, gate in gates.items():
+            hit = top1(fusion, gate)
+            gated = [ids[:1].tolist() for ids in ranked_ids(retrieved, fusion, N_R, weight, gate)]
+            rows[label] = {
+                "gate": gate,
+                "hits@1": round(100 * hit.mean(), 2),
+                "skipped_%": round(
+                    100 * float(np.mean([confident(c, gate) for c in retrieved.candidates])), 2
+                ),
+                "changed_%": round(
+                    100 * float(np.mean([a != b for a, b in zip(gated, answers, strict=True)])), 2
+                ),
+                "wins": int(((hit == 1) & (first == 0)).sum()),
+                "losses": int(((hit == 0) & (first == 1)).sum()),
+                "p_beats_first_stage": round(paired_bootstrap(hit, first), 4),
+                "p_always_better": round(paired_bootstrap(full, hit), 4),
+            }
+        result["spans"][name] = rows
+        print(name, {k: (v["hits@1"], v.get("skipped_%")) for k, v in rows.items()}, flush=True)
+    if args.out:
+        write_json_atomic(args.out, result)
+
+
+if __name__ == "__main__":
+    main()
