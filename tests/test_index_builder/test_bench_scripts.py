@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from coreply.bundle import load_bundle
+
 ROOT = Path(__file__).parents[2]
 
 
@@ -163,6 +165,8 @@ def test_rerank_precision_scores_the_same_candidates_in_each_precision(tmp_path,
     assert rows["fp32"]["pearson_with_fp32"] == 1.0 and rows["fp32"]["top1_as_fp32_%"] == 100.0
     assert rows["torch"]["pearson_with_fp32"] > 0.999  # the same model in PyTorch
     fusions = {"rerank", "sum", *[f"zscore {w}" for w in {0.3, result["served_weight"]}]}
+    if result["gate"]["margin"] is not None:  # the bundle's default fusion behind its rerank gate
+        fusions.add(f"{load_bundle(tiny_bundle).manifest['fusion']['default']}, gated")
     for name, row in rows.items():
         if name == "retrieval":
             continue
