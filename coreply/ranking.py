@@ -136,10 +136,10 @@ def lead(candidates: Candidates) -> float:
 
 
 def confident(candidates: Candidates, gate: float | None) -> bool:
-    """Whether the first stage's :func:`lead` reaches ``gate``. A bundle's rerank gate is the lead
-    past which, on its calibration pairs, the reranker's fused answer was no better than the first
-    stage's own (``evaluation.protocols.choose_gate``); a default request skips the reranker there. None:
-    no gate, never confident."""
+    """Whether the first stage's :func:`lead` reaches ``gate``. A bundle's rerank gate is the smallest
+    lead past which skipping the reranker changed few of its calibration pairs' answers
+    (``evaluation.protocols.choose_gate``); a default request skips the reranker there. None: no gate,
+    never confident."""
     return gate is not None and lead(candidates) >= gate
 
 

@@ -317,9 +317,8 @@ def choose_gate(
             for c in got.candidates
         ]
     )
-    gate = None
-    for candidate in sorted(set(leads[np.isfinite(leads)].tolist()), reverse=True):
-        if changed[leads >= candidate].sum() > fidelity * len(leads):
-            break
-        gate = candidate
-    return gate
+    by_lead = np.argsort(-leads, kind="stable")  # largest lead first
+    leads, changed = leads[by_lead], np.cumsum(changed[by_lead])  # changed: among those leading as far
+    last = np.r_[leads[1:] != leads[:-1], True]  # the last of each run of equal leads
+    fits = np.flatnonzero(last & np.isfinite(leads) & (changed <= fidelity * len(leads)))  # a prefix
+    return float(leads[fits[-1]]) if len(fits) else None

@@ -51,7 +51,7 @@ def _fusion(m: dict[str, Any]) -> str:
     weight = f"{fusion['zscore_weight']} ({fusion['calibrated_on']})" if calibrated else "not calibrated"
     gate = fusion.get("gate", {})
     gated = (
-        f"; reranks only where the first stage leads by less than {gate['margin']} "
+        f"; reranks only where the first stage leads by less than {gate['margin']:.4g} "
         f"({gate['skipped_%']} % of the calibration contexts skipped it)"
         if gate.get("margin") is not None
         else ""

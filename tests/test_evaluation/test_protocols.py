@@ -126,6 +126,7 @@ def test_words_rate_counts_answers_that_share_most_of_the_last_turns_words():
     assert words_rate(contexts, answers) == pytest.approx(33.33)
     assert words_rate(contexts[:1], ["a reply about cats"]) == 0.0
 
+
 def test_ranked_ids_order_the_answers_like_ranks_for():
     from evaluation.protocols import ranked_ids
 
