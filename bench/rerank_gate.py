@@ -1,6 +1,6 @@
 """How much reranking can a bundle's rerank gate skip, and what does it cost? A gate lets a request that
 names no fusion skip the reranker where the first stage's best candidate leads its second by at least
-the gate (``coreply.ranking.confident``); a bundle's gate is chosen on its calibration pairs as the
+the gate (``coreply.gate.confident``); a bundle's gate is chosen on its calibration pairs as the
 smallest lead that changes at most a share (the *fidelity*) of their top answers against always
 reranking (``evaluation.protocols.choose_gate``).
 
@@ -26,7 +26,7 @@ from bench import provenance  # bench/bench.py: this script's directory is on sy
 from coreply.artifacts import write_json_atomic
 from coreply.bundle import BACKENDS, BundleError
 from coreply.corpus import load_chitchat
-from coreply.ranking import confident
+from coreply.gate import confident
 from coreply.responder import Responder
 from evaluation.metrics import paired_bootstrap
 from evaluation.protocols import choose_gate, ranked_ids, ranks_for, retrieve_and_rerank

@@ -36,6 +36,7 @@ from bench import (  # bench/bench.py: this script's directory is on sys.path
 from coreply.artifacts import write_json_atomic
 from coreply.bundle import BundleError
 from coreply.checkpoint import load_checkpoint
+from coreply.gate import confident
 from coreply.inference import (
     INT8,
     INT8_VARIANTS,
@@ -46,7 +47,6 @@ from coreply.inference import (
     export_onnx,
     quantize_graph,
 )
-from coreply.ranking import confident
 from coreply.responder import Responder
 from coreply.text import normalize
 from evaluation.metrics import paired_bootstrap

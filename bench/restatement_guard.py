@@ -44,7 +44,8 @@ from coreply.bundle import BACKENDS
 from coreply.checkpoint import load_bi
 from coreply.config import ZERO_SHOT
 from coreply.corpus import load_chitchat
-from coreply.ranking import FUSIONS, Query, confident, order
+from coreply.gate import confident
+from coreply.ranking import FUSIONS, Query, order
 from coreply.responder import Responder
 from coreply.text import normalize
 from evaluation.metrics import paired_bootstrap

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from coreply.config import ZERO_SHOT, ModelConfig
+from coreply.gate import GATE_FIDELITY
 from coreply.lexical import DEPTH as LEXICAL_DEPTH
 from coreply.lexical import PAIRS as LEXICAL_PAIRS
 from coreply.restatement import DEFAULT_QUANTILE, check_quantile
@@ -54,6 +55,19 @@ def guard_quantile(text: str) -> float | None:
         return check_quantile(float(text))
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be 'off' or in [0.5, 1), got {text}") from None
+
+
+def gate_fidelity(text: str) -> float | None:
+    """An argparse type: 'off', or the share of calibration answers the rerank gate may change, in [0, 1)."""
+    if text == "off":
+        return None
+    try:
+        share = float(text)
+    except ValueError:
+        share = -1.0
+    if not 0 <= share < 1:
+        raise argparse.ArgumentTypeError(f"must be 'off' or a share in [0, 1), got {text}")
+    return share
 
 
 def lexical_weight(text: str) -> float | str | None:
@@ -723,6 +737,14 @@ def _index_parser(sub) -> None:
         default=LEXICAL_DEPTH,
         help=f"candidates the lexical stage reorders (default {LEXICAL_DEPTH})",
     )
+    b.add_argument(
+        "--rerank-gate",
+        type=gate_fidelity,
+        default=GATE_FIDELITY,
+        help="with --cross and --queries: a request that names no fusion skips the reranker where the first "
+        "stage leads by at least the smallest margin that changes at most this share of the calibration "
+        "pairs' top answers against always reranking; 'off': always rerank",
+    )
     b.add_argument("--factory", default="Flat", help="FAISS factory string, e.g. Flat, IVF1024,Flat, HNSW32")
     b.add_argument("--search-params", default="", help="e.g. nprobe=16 or efSearch=128")
     b.add_argument(
@@ -825,6 +847,7 @@ def _cmd_index(args: argparse.Namespace) -> int:
         lexical_pairs=pairs[:LEXICAL_PAIRS] if args.lexical == "auto" else (),
         lexical_weight=None if args.lexical in ("auto", None) else args.lexical,
         lexical_depth=args.lexical_depth,
+        gate_fidelity=args.rerank_gate,
     )
     if args.lexical == "auto" and pairs and "lexical" not in manifest:
         print("note: BM25 did not raise hits@1 on --queries at any weight: the bundle has no lexical stage")

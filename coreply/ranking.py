@@ -125,24 +125,6 @@ def fuse(mode: str, retrieval: np.ndarray, rerank: np.ndarray, weight: float = Z
     raise ValueError(f"unknown fusion {mode!r}; expected one of {FUSIONS}")
 
 
-def lead(candidates: Candidates) -> float:
-    """How far the first stage's best candidate leads its second: the difference of their scores (inf
-    with fewer than two, where no reranker can change the answer)."""
-    scores = candidates.first_stage
-    if len(scores) < 2:
-        return float("inf")
-    second, best = np.partition(scores, len(scores) - 2)[-2:]
-    return float(best - second)
-
-
-def confident(candidates: Candidates, gate: float | None) -> bool:
-    """Whether the first stage's :func:`lead` reaches ``gate``. A bundle's rerank gate is the smallest
-    lead past which skipping the reranker changed few of its calibration pairs' answers
-    (``evaluation.protocols.choose_gate``); a default request skips the reranker there. None: no gate,
-    never confident."""
-    return gate is not None and lead(candidates) >= gate
-
-
 def order(
     candidates: Candidates, fusion: str, n_r: int, weight: float = ZSCORE_WEIGHT
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -181,7 +163,7 @@ def score_lists(
 
 class Pipeline:
     """A retriever over a pool, optionally a rerank stage, and the z-score weight and rerank ``gate``
-    (:func:`confident`) the pool was calibrated with. ``texts`` and ``keys`` (normalised texts) are the
+    (:mod:`coreply.gate`) the pool was calibrated with. ``texts`` and ``keys`` (normalised texts) are the
     pool, row i = id i. The rerank stage is the cross-encoder ``score_pairs`` when given, else with
     ``poly`` the Poly-encoder retriever's own codes, else none. A cross-encoder that reads knowledge is
     given each query's knowledge as ``select_knowledge`` narrows it (:meth:`ground`), or as the query

@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 
 from coreply.bundle import Bundle, default_fusion, load_bundle, make_backend, pipeline, search_on
-from coreply.ranking import FUSIONS, Candidates, Query, confident, order
+from coreply.gate import confident
+from coreply.ranking import FUSIONS, Candidates, Query, order
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ class Responder:
         unless ``allow_restatements``) a restatement of a context turn; reranked and fused unless
         ``fusion`` is ``retrieval``. Default: the bundle's calibrated fusion, or retrieval without a
         rerank stage, and in the first stage's order where it leads past the bundle's rerank gate
-        (:func:`~coreply.ranking.confident`); a named fusion always reranks. ``knowledge`` (a persona,
+        (:func:`~coreply.gate.confident`); a named fusion always reranks. ``knowledge`` (a persona,
         facts) grounds a reranker that reads it; default: the bundle's own."""
         gated = fusion is None
         fusion = fusion or self.default_fusion

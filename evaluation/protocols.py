@@ -21,19 +21,10 @@ import numpy as np
 
 from coreply.bundle import TorchExactIndex
 from coreply.corpus import NegativeSampler, Pair, build_pool
+from coreply.gate import GATE_FIDELITY, confident, lead
 from coreply.models import BiEncoder, CrossEncoder, PolyEncoder, poly_scores
 from coreply.prior import Prior
-from coreply.ranking import (
-    ZSCORE_WEIGHT,
-    Candidates,
-    Hits,
-    Pipeline,
-    Query,
-    confident,
-    lead,
-    order,
-    score_lists,
-)
+from coreply.ranking import ZSCORE_WEIGHT, Candidates, Hits, Pipeline, Query, order, score_lists
 from coreply.text import normalize
 from evaluation.metrics import KS, gold_rank, summarize
 
@@ -210,7 +201,7 @@ def ranked_ids(
     got: Retrieved, fusion: str, n_r: int, weight: float = ZSCORE_WEIGHT, gate: float | None = None
 ) -> list[np.ndarray]:
     """Per query, pool ids best first under a fusion of the top ``n_r``; in the first stage's order
-    where it is :func:`~coreply.ranking.confident` past ``gate`` (as a gated bundle serves it)."""
+    where it is :func:`~coreply.gate.confident` past ``gate`` (as a gated bundle serves it)."""
     return [
         c.ids[order(c, "retrieval" if confident(c, gate) else fusion, n_r, weight)[0]] for c in got.candidates
     ]
@@ -295,14 +286,10 @@ def choose_zscore_weight(
     return max(grid, key=lambda w: (grid[w]["hits@1"], grid[w]["mrr"], w)), ranks
 
 
-GATE_FIDELITY = 0.05
-"""The share of calibration contexts whose answer the rerank gate may change (docs/results.md §42)."""
-
-
 def choose_gate(
     got: Retrieved, fusion: str, n_r: int, weight: float, fidelity: float = GATE_FIDELITY
 ) -> float | None:
-    """The rerank gate: the smallest first-stage :func:`~coreply.ranking.lead` such that answering every
+    """The rerank gate: the smallest first-stage :func:`~coreply.gate.lead` such that answering every
     context that leads by at least that much in the first stage's order, instead of reranked and fused
     by ``fusion``, changes the top answer of at most ``fidelity`` of ``got``'s contexts (None: no lead
     does; always rerank). No labels are read: the gate keeps the reranker's answers, right or wrong, in

@@ -42,19 +42,14 @@ from coreply.checkpoint import load_bi, load_checkpoint, load_dialogue_tokenizer
 from coreply.config import ZERO_SHOT
 from coreply.corpus import Pair, distinct
 from coreply.device import resolve_device
+from coreply.gate import GATE_FIDELITY, confident
 from coreply.inference import INT8, Backend, export_onnx
 from coreply.knowledge import trained_top_m
-from coreply.ranking import Pipeline, confident
+from coreply.ranking import Pipeline
 from coreply.text import normalize
 from coreply.tokenization import flat_pieces
 from evaluation.metrics import paired_bootstrap, summarize
-from evaluation.protocols import (
-    GATE_FIDELITY,
-    choose_gate,
-    choose_zscore_weight,
-    ranks_for,
-    retrieve_and_rerank,
-)
+from evaluation.protocols import choose_gate, choose_zscore_weight, ranks_for, retrieve_and_rerank
 from index_builder.faiss_index import EXACT, check_index_spec, make_index, recall_vs_exact
 
 ONNX_CHOICES = ("int8", "fp32", "none")
@@ -100,7 +95,11 @@ def _place_model(spec: str, kind: str, dest: Path, device: str):
 
 
 def calibrate_fusion(
-    ranking: Pipeline, pairs: Sequence[Pair], n_r: int = 10, default: str | None = None
+    ranking: Pipeline,
+    pairs: Sequence[Pair],
+    n_r: int = 10,
+    default: str | None = None,
+    fidelity: float | None = GATE_FIDELITY,
 ) -> dict[str, Any]:
     """Choose the fusion a request gets by default on held-out pairs whose gold responses are in the pool,
     through the serving pipeline at ``n_r`` candidates: the z-score weight with the best hits@1 (the
@@ -110,14 +109,15 @@ def calibrate_fusion(
     picks noise (docs/results.md §40.4). ``default`` fixes the fusion (a residual reranker is served as
     a sum) and only the weight is chosen. Then the rerank gate under that fusion
     (:func:`~evaluation.protocols.choose_gate`): where the first stage leads by more, a default request
-    is answered without the reranker, which changes at most 5 % of these pairs' answers."""
+    is answered without the reranker, which changes at most ``fidelity`` of these pairs' answers (None:
+    no gate)."""
     got = retrieve_and_rerank(pairs, ranking, n_r, n_r)
     weight, ranks = choose_zscore_weight(pairs, ranking.keys, got, n_r)
     ranks = {"zscore": ranks[weight], "sum": ranks_for(pairs, ranking.keys, got, "sum", n_r)}
     first = {f: (np.array(r) == 1).astype(float) for f, r in ranks.items()}  # [N] each
     p = paired_bootstrap(first["zscore"], first["sum"])
     fusion = default or ("zscore" if p < SIGNIFICANT else "sum")
-    gate = choose_gate(got, fusion, n_r, weight)
+    gate = None if fidelity is None else choose_gate(got, fusion, n_r, weight, fidelity)
     skipped = np.mean([confident(c, gate) for c in got.candidates]) if got.candidates else 0.0
     gated = ranks_for(pairs, ranking.keys, got, fusion, n_r, weight, gate)
     return {
@@ -127,7 +127,7 @@ def calibrate_fusion(
         "p_zscore_better": round(p, 4),
         "gate": {
             "margin": gate,
-            "fidelity": GATE_FIDELITY,
+            "fidelity": fidelity,
             "skipped_%": round(100 * float(skipped), 2),
             "hits@1": {"gated": round(summarize(gated)["hits@1"], 2)},
         },
@@ -192,6 +192,7 @@ def build_bundle(
     lexical_pairs: Sequence[Pair] = (),
     lexical_weight: float | None = None,
     lexical_depth: int = lexical.DEPTH,
+    gate_fidelity: float | None = GATE_FIDELITY,
 ) -> dict[str, Any]:
     """Encode ``texts`` (normalised duplicates dropped, first spelling kept, ids in order) and write a
     bundle to ``out`` atomically. ``queries`` (contexts) measure the index's recall against exact search;
@@ -204,7 +205,8 @@ def build_bundle(
     ``prior_pairs`` (e.g. the training split) give the response prior its reference contexts, and
     ``guard_pairs`` choose its weight (none of either: no prior). A lexical stage (BM25 reordering the
     first ``lexical_depth`` candidates, :mod:`coreply.lexical`) is served at ``lexical_weight``, or with
-    ``lexical_pairs`` at the weight they choose (neither, or a chosen weight of 1: no lexical stage)."""
+    ``lexical_pairs`` at the weight they choose (neither, or a chosen weight of 1: no lexical stage).
+    ``calibration`` pairs also choose the rerank gate at ``gate_fidelity`` (None: no gate)."""
     if onnx not in ONNX_CHOICES:
         raise ValueError(f"--onnx must be one of {ONNX_CHOICES}, got {onnx!r}")
     if top_m is not None and top_m < 1:
@@ -215,6 +217,8 @@ def build_bundle(
         raise ValueError(f"--lexical: give a weight in [0, 1], 'auto' or 'off', got {lexical_weight}")
     if lexical_depth < 2:
         raise ValueError(f"--lexical-depth: give at least 2 candidates to reorder, got {lexical_depth}")
+    if gate_fidelity is not None and not 0 <= gate_fidelity < 1:
+        raise ValueError(f"--rerank-gate: give a share in [0, 1) or 'off', got {gate_fidelity}")
     knowledge = [k for k in (t.strip() for t in knowledge) if k]
     started = time.perf_counter()
     torch_device = resolve_device(device)
@@ -304,7 +308,7 @@ def build_bundle(
                 manifest["lexical"] = entry
         if ranking.reranker is not None and calibration:
             fixed = manifest.get("fusion", {}).get("default")  # a residual's sum
-            manifest["fusion"] = calibrate_fusion(ranking, calibration, default=fixed)
+            manifest["fusion"] = calibrate_fusion(ranking, calibration, default=fixed, fidelity=gate_fidelity)
         import faiss
 
         faiss.write_index(index, str(tmp / INDEX))

@@ -15,8 +15,9 @@ import numpy as np
 
 from coreply.bundle import Bundle, default_fusion, make_backend, pipeline
 from coreply.device import resolve_device, set_threads
+from coreply.gate import confident
 from coreply.inference import Backend
-from coreply.ranking import Candidates, Query, confident, order
+from coreply.ranking import Candidates, Query, order
 from coreply.responder import replies
 from service.batching import MicroBatcher
 from service.cascade import Cascade

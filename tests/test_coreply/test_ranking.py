@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from coreply.ranking import Candidates, Hits, Pipeline, Query, confident, fuse, lead, order, score_lists
+from coreply.gate import confident, lead
+from coreply.ranking import Candidates, Hits, Pipeline, Query, fuse, order, score_lists
 from coreply.text import normalize
 
 POOL = ["a", "b", "c", "Hello", "d", "e"]

@@ -88,7 +88,7 @@ def test_the_rerank_gate_skips_the_reranker_only_where_it_would_not_change_the_a
     the sum reorders it. The gate skips the reranker on a and reranks b, so no answer changes; allowed
     to change one of the two, it skips both. The gate reads no labels: b's gold is not first either way."""
     from coreply.corpus import Pair
-    from coreply.ranking import confident
+    from coreply.gate import confident
     from evaluation.protocols import choose_gate, ranks_for, retrieve_and_rerank
     from index_builder.build import calibrate_fusion
 
@@ -105,6 +105,9 @@ def test_the_rerank_gate_skips_the_reranker_only_where_it_would_not_change_the_a
     assert [confident(c, gate["margin"]) for c in got.candidates] == [True, False]
     assert ranks_for(pairs, ranking.keys, got, "sum", 3, gate=4.0) == [1.0, 3.0]  # as always reranking
     assert choose_gate(got, "sum", 3, 0.0, fidelity=0.5) == 2.0  # one answer may change: both skipped
+    assert (
+        calibrate_fusion(ranking, pairs, n_r=3, fidelity=None)["gate"]["margin"] is None
+    )  # --rerank-gate off
     assert ranks_for(pairs, ranking.keys, got, "sum", 3, gate=2.0) == [1.0, 2.0]
     with pytest.raises(ValueError, match="fidelity"):
         choose_gate(got, "sum", 3, 0.0, fidelity=1.0)

@@ -14,7 +14,8 @@ from conftest import TOPICS
 from fastapi.testclient import TestClient
 
 from coreply.bundle import load_bundle
-from coreply.ranking import Query, lead, zscore
+from coreply.gate import lead
+from coreply.ranking import Query, zscore
 from index_builder.build import build_bundle
 from service.app import create_app
 from service.batching import DeadlineExceeded, MicroBatcher, Overloaded
