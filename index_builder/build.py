@@ -206,7 +206,8 @@ def build_bundle(
     ``guard_pairs`` choose its weight (none of either: no prior). A lexical stage (BM25 reordering the
     first ``lexical_depth`` candidates, :mod:`coreply.lexical`) is served at ``lexical_weight``, or with
     ``lexical_pairs`` at the weight they choose (neither, or a chosen weight of 1: no lexical stage).
-    ``calibration`` pairs also choose the rerank gate at ``gate_fidelity`` (None: no gate)."""
+    ``calibration`` pairs also choose a cross-encoder's rerank gate at ``gate_fidelity`` (None: no gate;
+    the poly stage, which costs well under a millisecond, is never gated)."""
     if onnx not in ONNX_CHOICES:
         raise ValueError(f"--onnx must be one of {ONNX_CHOICES}, got {onnx!r}")
     if top_m is not None and top_m < 1:
@@ -308,7 +309,8 @@ def build_bundle(
                 manifest["lexical"] = entry
         if ranking.reranker is not None and calibration:
             fixed = manifest.get("fusion", {}).get("default")  # a residual's sum
-            manifest["fusion"] = calibrate_fusion(ranking, calibration, default=fixed, fidelity=gate_fidelity)
+            fidelity = gate_fidelity if ranking.reranker == "cross" else None  # the poly stage costs 0.4 ms
+            manifest["fusion"] = calibrate_fusion(ranking, calibration, default=fixed, fidelity=fidelity)
         import faiss
 
         faiss.write_index(index, str(tmp / INDEX))

@@ -132,6 +132,7 @@ def test_poly_bundle_serves_the_poly_stage_and_ranks_like_the_evaluation(poly_bu
 
     bundle = load_bundle(poly_bundle)
     assert "fusion" in bundle.manifest  # calibrated through the poly stage
+    assert bundle.manifest["fusion"]["gate"]["margin"] is None  # too cheap to skip: never gated
     torch_backend, onnx_backend = make_backend(bundle, "torch"), make_backend(bundle, "onnx")
     contexts = [["hello", q] for q, _ in TOPICS.values()]
     np.testing.assert_allclose(  # the int8 ONNX graph gives the pooled vector and codes like the model
