@@ -57,30 +57,28 @@ def guard_quantile(text: str) -> float | None:
         raise argparse.ArgumentTypeError(f"must be 'off' or in [0.5, 1), got {text}") from None
 
 
+def in_unit_interval(text: str, words: dict[str, Any], wanted: str) -> Any:
+    """An argparse type's body: one of ``words`` (text -> value), or a number in [0, 1); else the
+    one-line error ``must be <wanted>, got <text>``."""
+    if text in words:
+        return words[text]
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be {wanted}, got {text}")
+    return value
+
+
 def gate_fidelity(text: str) -> float | None:
     """An argparse type: 'off', or the share of calibration answers the rerank gate may change, in [0, 1)."""
-    if text == "off":
-        return None
-    try:
-        share = float(text)
-    except ValueError:
-        share = -1.0
-    if not 0 <= share < 1:
-        raise argparse.ArgumentTypeError(f"must be 'off' or a share in [0, 1), got {text}")
-    return share
+    return in_unit_interval(text, {"off": None}, "'off' or a share in [0, 1)")
 
 
 def lexical_weight(text: str) -> float | str | None:
     """An argparse type: 'off', 'auto', or the lexical stage's z-score weight of the dense score in [0, 1)."""
-    if text in ("off", "auto"):
-        return None if text == "off" else text
-    try:
-        weight = float(text)
-    except ValueError:
-        weight = -1.0
-    if not 0 <= weight < 1:
-        raise argparse.ArgumentTypeError(f"must be 'auto', 'off' or a weight in [0, 1), got {text}")
-    return weight
+    return in_unit_interval(text, {"off": None, "auto": "auto"}, "'auto', 'off' or a weight in [0, 1)")
 
 
 def _load_data(spec: str, max_turns: int) -> dict[str, list]:
