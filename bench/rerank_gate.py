@@ -28,8 +28,9 @@ from coreply.bundle import BACKENDS, BundleError
 from coreply.corpus import load_chitchat
 from coreply.gate import confident
 from coreply.responder import Responder
+from coreply.text import normalize
 from evaluation.metrics import paired_bootstrap
-from evaluation.protocols import choose_gate, ranked_ids, ranks_for, retrieve_and_rerank
+from evaluation.protocols import choose_gate, ranked_ids, retrieve_and_rerank
 
 N_R = 10
 
@@ -92,17 +93,22 @@ def main() -> None:
         "spans": {},
     }
     for name, retrieved in got.items():
+        golds = [normalize(p.response) for p in pairs[name]]
 
-        def top1(fusion_: str, gate: float | None, retrieved=retrieved, name=name) -> np.ndarray:
-            ranks = ranks_for(pairs[name], ranking.keys, retrieved, fusion_, N_R, weight, gate)
-            return (np.array(ranks) == 1).astype(float)  # [N]
+        def top1(
+            fusion_: str, gate: float | None, retrieved=retrieved, golds=golds
+        ) -> tuple[list, np.ndarray]:
+            """Each context's top answer (pool id, or None) and whether it is the gold ([N] of 0/1)."""
+            answers = [
+                int(ids[0]) if len(ids) else None for ids in ranked_ids(retrieved, fusion_, N_R, weight, gate)
+            ]
+            hit = [a is not None and ranking.keys[a] == g for a, g in zip(answers, golds, strict=True)]
+            return answers, np.array(hit, dtype=float)
 
-        first, full = top1("retrieval", None), top1(fusion, None)
-        answers = [ids[:1].tolist() for ids in ranked_ids(retrieved, fusion, N_R, weight)]
+        (_, first), (answers, full) = top1("retrieval", None), top1(fusion, None)
         rows: dict = {"first stage": {"hits@1": round(100 * first.mean(), 2)}}
         for label, gate in gates.items():
-            hit = top1(fusion, gate)
-            gated = [ids[:1].tolist() for ids in ranked_ids(retrieved, fusion, N_R, weight, gate)]
+            gated, hit = top1(fusion, gate)
             rows[label] = {
                 "gate": gate,
                 "hits@1": round(100 * hit.mean(), 2),

@@ -44,7 +44,7 @@ from coreply.bundle import BACKENDS
 from coreply.checkpoint import load_bi
 from coreply.config import ZERO_SHOT
 from coreply.corpus import load_chitchat
-from coreply.gate import confident
+from coreply.gate import gated_fusion
 from coreply.ranking import FUSIONS, Query, order
 from coreply.responder import Responder
 from coreply.text import normalize
@@ -69,7 +69,7 @@ def top_answers(
     for s in range(0, len(pairs), 64):
         queries = [Query(tuple(p.context), allow_restatements=allow) for p in pairs[s : s + 64]]
         candidates = ranking.recall(queries, [10] * len(queries))
-        fusions = ["retrieval" if confident(c, gate) else fusion for c in candidates]
+        fusions = [gated_fusion(c, fusion, gate) for c in candidates]
         todo = [i for i, f in enumerate(fusions) if f != "retrieval"]
         if todo:
             ranking.rerank([queries[i] for i in todo], [candidates[i] for i in todo], 10)

@@ -33,3 +33,9 @@ def lead(candidates: Candidates) -> float:
 def confident(candidates: Candidates, gate: float | None) -> bool:
     """Whether the first stage's :func:`lead` reaches ``gate`` (None: no gate, never confident)."""
     return gate is not None and lead(candidates) >= gate
+
+
+def gated_fusion(candidates: Candidates, fusion: str, gate: float | None) -> str:
+    """The fusion a request that named none is answered with: ``retrieval`` (the reranker skipped) where
+    the first stage is :func:`confident` past ``gate``, else ``fusion``."""
+    return "retrieval" if confident(candidates, gate) else fusion

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from coreply.bundle import Bundle, default_fusion, load_bundle, make_backend, pipeline, search_on
-from coreply.gate import confident
+from coreply.gate import gated_fusion
 from coreply.ranking import FUSIONS, Candidates, Query, order
 
 
@@ -65,7 +65,7 @@ class Responder:
         unless ``allow_restatements``) a restatement of a context turn; reranked and fused unless
         ``fusion`` is ``retrieval``. Default: the bundle's calibrated fusion, or retrieval without a
         rerank stage, and in the first stage's order where it leads past the bundle's rerank gate
-        (:func:`~coreply.gate.confident`); a named fusion always reranks. ``knowledge`` (a persona,
+        (:func:`~coreply.gate.gated_fusion`); a named fusion always reranks. ``knowledge`` (a persona,
         facts) grounds a reranker that reads it; default: the bundle's own."""
         gated = fusion is None
         fusion = fusion or self.default_fusion
@@ -82,8 +82,8 @@ class Responder:
             tuple(context), tuple(exclude_texts), frozenset(exclude_ids), tuple(knowledge), allow_restatements
         )
         (candidates,) = self.pipeline.recall([query], [n_candidates])
-        if gated and confident(candidates, self.pipeline.gate):
-            fusion = "retrieval"
+        if gated:
+            fusion = gated_fusion(candidates, fusion, self.pipeline.gate)
         if fusion != "retrieval" and len(candidates.ids):
             self.pipeline.rerank(self.pipeline.ground([query]), [candidates], n_candidates)
         positions, final = order(candidates, fusion, n_candidates, self.pipeline.weight)

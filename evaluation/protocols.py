@@ -21,7 +21,7 @@ import numpy as np
 
 from coreply.bundle import TorchExactIndex
 from coreply.corpus import NegativeSampler, Pair, build_pool
-from coreply.gate import GATE_FIDELITY, confident, lead
+from coreply.gate import GATE_FIDELITY, gated_fusion, lead
 from coreply.models import BiEncoder, CrossEncoder, PolyEncoder, poly_scores
 from coreply.prior import Prior
 from coreply.ranking import ZSCORE_WEIGHT, Candidates, Hits, Pipeline, Query, order, score_lists
@@ -201,10 +201,8 @@ def ranked_ids(
     got: Retrieved, fusion: str, n_r: int, weight: float = ZSCORE_WEIGHT, gate: float | None = None
 ) -> list[np.ndarray]:
     """Per query, pool ids best first under a fusion of the top ``n_r``; in the first stage's order
-    where it is :func:`~coreply.gate.confident` past ``gate`` (as a gated bundle serves it)."""
-    return [
-        c.ids[order(c, "retrieval" if confident(c, gate) else fusion, n_r, weight)[0]] for c in got.candidates
-    ]
+    where it is confident past ``gate`` (:func:`~coreply.gate.gated_fusion`, as a gated bundle serves it)."""
+    return [c.ids[order(c, gated_fusion(c, fusion, gate), n_r, weight)[0]] for c in got.candidates]
 
 
 def ranks_for(

@@ -129,7 +129,7 @@ def calibrate_fusion(
             "margin": gate,
             "fidelity": fidelity,
             "skipped_%": round(100 * float(skipped), 2),
-            "hits@1": {"gated": round(summarize(gated)["hits@1"], 2)},
+            "hits@1": round(summarize(gated)["hits@1"], 2),
         },
         "calibrated_on": f"{len(pairs)} held-out pairs, hits@1 at n_r={n_r}",
     }

@@ -15,7 +15,7 @@ import numpy as np
 
 from coreply.bundle import Bundle, default_fusion, make_backend, pipeline
 from coreply.device import resolve_device, set_threads
-from coreply.gate import confident
+from coreply.gate import gated_fusion
 from coreply.inference import Backend
 from coreply.ranking import Candidates, Query, order
 from coreply.responder import replies
@@ -134,7 +134,7 @@ class Engine:
         done = await self.retriever.submit((job.query, n_candidates), deadline=job.deadline)
         self._account(done, timings, "retrieve")
         candidates: Candidates = done.result
-        gated = fusion != "retrieval" and job.gated and confident(candidates, self.pipeline.gate)
+        gated = job.gated and fusion != gated_fusion(candidates, fusion, self.pipeline.gate)
         if gated:
             fusion = "retrieval"
         if fusion != "retrieval" and len(candidates.ids):

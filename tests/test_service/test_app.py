@@ -118,7 +118,8 @@ def test_a_request_that_names_no_fusion_skips_the_reranker_where_the_first_stage
         engine = c.app.state.engine
         fusion = engine.default_fusion
         (candidates,) = engine.pipeline.recall([Query(tuple(context))], [5])
-        engine.pipeline.gate = lead(candidates)  # reached: the first stage answers
+        # served scores may differ from these in the last float bits (another thread, another batch)
+        engine.pipeline.gate = lead(candidates) - 1e-3  # reached: the first stage answers
         gated = post(c, context=context, top_k=3, n_candidates=5).json()
         assert gated["rerank_gated"] and gated["fusion"] == "retrieval" and gated["timings_ms"]["rerank"] == 0
         assert all(r["rerank_score"] is None for r in gated["responses"])
