@@ -84,6 +84,12 @@ def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):
         ("rerank_gate.py", ["--bundle", str(tiny_bundle), "--fidelity", "1"], "--fidelity: "),
         ("rerank_gate.py", ["--bundle", str(tiny_bundle), "--measure", "test:0"], "--measure: "),
         ("rerank_gate.py", ["--bundle", str(tiny_bundle), "--calibrate", "train:0:5"], "--calibrate: "),
+        ("rerank_ensemble.py", ["--bundle", str(tmp_path), "--cross", str(tmp_path)], "--bundle: "),
+        (
+            "rerank_ensemble.py",
+            ["--bundle", str(tiny_bundle), "--cross", str(tmp_path)],
+            f"--cross {tmp_path}: ",
+        ),
         ("guard_rules.py", ["--words", "0.995", "1"], "--words: "),
         ("guard_rules.py", ["--depth", "3"], "--depth"),
         ("guard_rules.py", ["--bundle", str(tmp_path)], "--bundle: "),
@@ -177,6 +183,26 @@ def test_rerank_precision_scores_the_same_candidates_in_each_precision(tmp_path,
             cases, base = set(row[f]["top1_cases"]), set(rows["retrieval"]["top1_cases"])
             assert (row[f]["wins"], row[f]["losses"]) == (len(cases - base), len(base - cases))
             assert row[f]["hits@1"] == round(100 * len(cases) / 6, 2)
+
+
+def test_rerank_ensemble_sums_every_set_of_rerankers_on_the_same_candidates(tmp_path, tiny_bundle, tiny_core):
+    out = tmp_path / "ensemble.json"
+    copy = (
+        tmp_path / "copy"
+    )  # the bundle's own reranker again: as served, it must score exactly as the bundle's
+    shutil.copytree(tiny_core / "cross", copy)
+    bench("rerank_ensemble.py", "--bundle", str(tiny_bundle), "--cross", str(copy), "--split", "valid",
+          "--limit", "12", "--out", str(out))  # fmt: skip
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    sets = ["the bundle's", "copy", "the bundle's + copy"]
+    assert set(rows) == {"first stage"} | {f"{f}: {s}" for f in ("sum", "zscore") for s in sets}
+    assert set(result["ms_per_context"]) == {"the bundle's", "copy"}
+    for fusion in ("sum", "zscore"):
+        own, again = rows[f"{fusion}: the bundle's"], rows[f"{fusion}: copy"]
+        assert own["top1_cases"] == again["top1_cases"] and again["wins_losses_vs_own"] == [0, 0]
+    for name, row in rows.items():
+        assert 0 <= row["hits@1"] <= 100 and (name == "first stage" or 0 <= row["p_beats_own"] <= 1)
 
 
 def test_guard_rules_drop_what_each_rule_flags_and_pair_every_rule_with_the_served_guard(
