@@ -2,7 +2,9 @@
 ONNX Runtime's dynamic quantisation (coreply.inference.INT8_VARIANTS), on the same candidates: the
 bundle's first stage as served (guard on, its own lexical stage and prior) recalls 10 per context once,
 every variant scores those same pairs, and each fusion orders them. ``torch`` and ``torch-bf16`` are
-the checkpoint itself in PyTorch, fp32 or cast to bf16 (``coreply serve --backend torch-bf16``).
+the checkpoint itself in PyTorch, fp32 or cast to bf16 (``coreply serve --backend torch-bf16``);
+``torch-int8`` is PyTorch's own dynamic int8 quantisation of its linear layers (not served:
+docs/performance.md §18).
 ``--keep-fp32 REGEX ...`` adds, per pattern, the served variant with the matrix products whose ONNX node
 name matches left in fp32 (e.g. ``layer\\.5/`` the last layer, ``/output/dense`` the feed-forward
 outputs): which ones lose most.
@@ -27,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import torch
 
 from bench import (  # bench/bench.py: this script's directory is on sys.path
     add_pairs_args,
@@ -53,7 +56,7 @@ from evaluation.metrics import paired_bootstrap
 from evaluation.protocols import Retrieved, ranks_for, rerank, retrieve_and_rerank
 
 N_R = 10
-TORCH = ("torch", "torch-bf16")
+TORCH = ("torch", "torch-bf16", "torch-int8")
 VARIANTS = ("fp32", *INT8_VARIANTS, *TORCH)
 
 
@@ -108,6 +111,10 @@ def main() -> None:
         for variant, how in variants.items():
             if variant in TORCH:  # a fresh copy: bf16 casts the model in place
                 model = load_checkpoint(bot.bundle.model_dir("cross"), "cpu", expect="cross")
+                if variant == "torch-int8":  # PyTorch's own dynamic int8 (the quantised engine's kernels)
+                    model = torch.ao.quantization.quantize_dynamic(
+                        model, {torch.nn.Linear}, dtype=torch.qint8
+                    )
                 torch_backend = TorchBackend(bi, model, bf16=variant == "torch-bf16")  # type: ignore[arg-type]
                 ranking.score_pairs = torch_backend.score_pairs
             else:

@@ -162,12 +162,20 @@ def test_quantisation_compares_each_int8_variant_with_fp32(tmp_path, tiny_core):
 def test_rerank_precision_scores_the_same_candidates_in_each_precision(tmp_path, tiny_bundle):
     out = tmp_path / "precision.json"
     bench("rerank_precision.py", "--bundle", str(tiny_bundle), "--limit", "6", "--weights", "0.3",
-          "--variants", "fp32", "int8-per-channel-7bit", "torch", "torch-bf16",
+          "--variants", "fp32", "int8-per-channel-7bit", "torch", "torch-bf16", "torch-int8",
           "--keep-fp32", r"layer\.0/", "--out", str(out))  # fmt: skip
     result = json.loads(out.read_text())
     rows = result["rows"]
     int8 = "int8-per-channel-7bit"
-    assert set(rows) == {"retrieval", "fp32", int8, "torch", "torch-bf16", rf"{int8}, fp32: layer\.0/"}
+    assert set(rows) == {
+        "retrieval",
+        "fp32",
+        int8,
+        "torch",
+        "torch-bf16",
+        "torch-int8",
+        rf"{int8}, fp32: layer\.0/",
+    }
     assert rows["fp32"]["pearson_with_fp32"] == 1.0 and rows["fp32"]["top1_as_fp32_%"] == 100.0
     assert rows["torch"]["pearson_with_fp32"] > 0.999  # the same model in PyTorch
     fusions = {"rerank", "sum", *[f"zscore {w}" for w in {0.3, result["served_weight"]}]}
