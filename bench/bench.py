@@ -78,6 +78,22 @@ def chosen_pairs(args: argparse.Namespace) -> list:
     return pairs
 
 
+def onnx_reranker(bundle: str):
+    """The bundle's :class:`~coreply.responder.Responder` on its ONNX graphs; a one-line exit naming
+    ``--bundle`` unless it loads and has a reranker exported to ONNX."""
+    from coreply.bundle import BundleError
+    from coreply.inference import OnnxBackend
+    from coreply.responder import Responder
+
+    try:
+        bot = Responder.load(bundle, backend="onnx")
+    except BundleError as exc:
+        raise SystemExit(f"--bundle: {exc}") from None
+    if not isinstance(bot.backend, OnnxBackend) or bot.backend.cross is None:
+        raise SystemExit(f"--bundle {bundle}: needs a reranker exported to ONNX")
+    return bot
+
+
 def operators(prof, cuda: bool, batches: int, top: int) -> list[dict]:
     """The ``top`` operators of a ``torch.profiler`` run by self device time (host time without CUDA),
     per batch (or step), in ms."""

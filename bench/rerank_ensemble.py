@@ -25,14 +25,12 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import add_pairs_args, chosen_pairs, provenance  # bench/bench.py: this script's directory
+from bench import add_pairs_args, chosen_pairs, onnx_reranker, provenance  # bench/bench.py: this directory
 from coreply.artifacts import write_json_atomic
-from coreply.bundle import BundleError
 from coreply.checkpoint import load_checkpoint
 from coreply.checkpoint_meta import CheckpointError
-from coreply.inference import ONNX_FILES, OnnxBackend, _session, export_onnx
+from coreply.inference import ONNX_FILES, _session, export_onnx
 from coreply.ranking import zscore
-from coreply.responder import Responder
 from evaluation.metrics import paired_bootstrap
 from evaluation.protocols import Retrieved, ranks_for, rerank, retrieve_and_rerank
 
@@ -47,13 +45,8 @@ def main() -> None:
     add_pairs_args(p, "test", 0, 2000)
     args = p.parse_args()
     pairs = chosen_pairs(args)
-    try:
-        bot = Responder.load(args.bundle, backend="onnx")
-    except BundleError as exc:
-        raise SystemExit(f"--bundle: {exc}") from None
+    bot = onnx_reranker(args.bundle)
     backend, ranking = bot.backend, bot.pipeline
-    if not isinstance(backend, OnnxBackend) or backend.cross is None:
-        raise SystemExit(f"--bundle {args.bundle}: needs a reranker exported to ONNX")
     own = load_checkpoint(bot.bundle.model_dir("cross"), "cpu", expect="cross")
     bi = load_checkpoint(bot.bundle.model_dir("bi"), "cpu", expect="bi")
     extra = {}

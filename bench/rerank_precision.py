@@ -34,23 +34,21 @@ import torch
 from bench import (  # bench/bench.py: this script's directory is on sys.path
     add_pairs_args,
     chosen_pairs,
+    onnx_reranker,
     provenance,
 )
 from coreply.artifacts import write_json_atomic
-from coreply.bundle import BundleError
 from coreply.checkpoint import load_checkpoint
 from coreply.gate import confident
 from coreply.inference import (
     INT8,
     INT8_VARIANTS,
     ONNX_FILES,
-    OnnxBackend,
     TorchBackend,
     _session,
     export_onnx,
     quantize_graph,
 )
-from coreply.responder import Responder
 from coreply.text import normalize
 from evaluation.metrics import paired_bootstrap
 from evaluation.protocols import Retrieved, ranks_for, rerank, retrieve_and_rerank
@@ -77,13 +75,8 @@ def main() -> None:
     except re.error as exc:
         raise SystemExit(f"--keep-fp32: not a regular expression ({exc})") from None
     pairs = chosen_pairs(args)
-    try:
-        bot = Responder.load(args.bundle, backend="onnx")
-    except BundleError as exc:
-        raise SystemExit(f"--bundle: {exc}") from None
+    bot = onnx_reranker(args.bundle)
     backend, ranking = bot.backend, bot.pipeline
-    if not isinstance(backend, OnnxBackend) or backend.cross is None:
-        raise SystemExit(f"--bundle {args.bundle}: needs a reranker exported to ONNX")
 
     in_pool = set(ranking.keys)
     gold_in_pool = float(np.mean([normalize(p.response) in in_pool for p in pairs]))
