@@ -57,6 +57,8 @@ def main() -> None:
             raise SystemExit(f"--cross {path}: {exc}") from None
         if cross.config.to_dict() != own.config.to_dict():  # the bundle's tokenizer reads for its own
             raise SystemExit(f"--cross {path}: its model config differs from the bundle's reranker's")
+        if path.name in extra:  # rows are named by folder
+            raise SystemExit(f"--cross {path}: another --cross has the folder name {path.name!r}; rename one")
         extra[path.name] = cross
 
     recalled = retrieve_and_rerank(pairs, ranking, N_R, 0)
@@ -108,7 +110,7 @@ def main() -> None:
         }
         | {
             "first stage": round(
-                float(np.mean([np.std(c.first_stage[:N_R]) for c in recalled.candidates])), 3
+                float(np.mean([np.std(c.first_stage[:N_R]) for c in recalled.candidates if len(c.ids)])), 3
             )
         },
         "rows": rows,

@@ -90,6 +90,11 @@ def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):
             ["--bundle", str(tiny_bundle), "--cross", str(tmp_path)],
             f"--cross {tmp_path}: ",
         ),
+        (  # two folders named "cross": their rows would share a name
+            "rerank_ensemble.py",
+            ["--bundle", str(tiny_bundle), "--cross", str(tiny_core / "cross"), str(tiny_bundle / "cross")],
+            f"--cross {tiny_bundle / 'cross'}: another --cross",
+        ),
         ("guard_rules.py", ["--words", "0.995", "1"], "--words: "),
         ("guard_rules.py", ["--depth", "3"], "--depth"),
         ("guard_rules.py", ["--bundle", str(tmp_path)], "--bundle: "),
