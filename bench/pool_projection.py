@@ -1,0 +1,155 @@
+"""A context-side linear map learned on the CPU with a softmax over the whole pool: does it lift a
+bundle's dense stage where a GPU lease is not at hand?
+
+The bundle's retriever encodes the training contexts once as served (its int8 ONNX graph), and a map
+``q -> normalise(q + q @ delta.T)`` (``delta`` [D, D], starting at zero, so step 0 is the bundle) is
+trained by cross-entropy of each context's gold against every response of the pool, scored as served:
+``scale * cos - alpha * rho`` with the bundle's prior, the context's own turns (echoes, which the
+service drops) masked out. The response side is untouched, so the index and the prior stay valid. The
+map is linear and bias-free, so it is what a ``projection_dim`` context head of the same retriever would
+compute (:class:`coreply.models.BiEncoder`). Measured: dense hits@1 over the full pool, echoes dropped,
+no guard or lexical stage, on validation ``[0:--select)`` (where the epoch is chosen), validation
+``[--select:]`` and the first ``--limit`` test pairs, with one-sided paired bootstrap p against step 0.
+
+    python bench/pool_projection.py --bundle artifacts/default-bundle --epochs 2 \\
+        --out docs/pool-projection-2026-11-28.json      # ~20 min encoding + ~6 min an epoch here
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.nn import functional as F
+
+from bench import provenance  # bench/bench.py: this script's directory is on sys.path
+from coreply.artifacts import write_json_atomic
+from coreply.corpus import Pair, load_chitchat
+from coreply.responder import Responder
+from coreply.text import normalize
+from evaluation.metrics import paired_bootstrap
+
+
+class Split:
+    """A split's served context vectors (unit) [Q, D], gold ids [Q] and echo ids as (row, id) [E, 2]."""
+
+    def __init__(self, bot: Responder, pairs: list[Pair], ids: dict[str, list[int]]) -> None:
+        retrieve = bot.pipeline.retrieve
+        chunks = [retrieve.backend.encode_contexts([p.context for p in pairs[a : a + 1024]])  # type: ignore[attr-defined]
+                  for a in range(0, len(pairs), 1024)]  # fmt: skip
+        raw = torch.from_numpy(np.concatenate(chunks))  # [Q, D], the retriever's scale as their norm
+        self.q, self.scale = F.normalize(raw, dim=1), float(raw.norm(dim=1).mean())
+        self.gold = torch.tensor([ids[normalize(p.response)][0] for p in pairs])
+        echoes = [(r, j) for r, p in enumerate(pairs) for t in p.context for j in ids.get(normalize(t), [])
+                  if j != self.gold[r]]  # fmt: skip
+        self.echoes = torch.tensor(echoes, dtype=torch.long).reshape(-1, 2)
+
+    def masked(self, scores: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """``scores`` [B, N] of ``rows`` [B] with each row's echoes at -inf."""
+        at = torch.full((len(self.q),), -1, dtype=torch.long)
+        at[rows] = torch.arange(len(rows))
+        hit = at[self.echoes[:, 0]] >= 0
+        return scores.index_put((at[self.echoes[hit, 0]], self.echoes[hit, 1]), torch.tensor(float("-inf")))
+
+
+class Scorer:
+    """Served scores of mapped contexts against the pool: ``scale * cos(q', r) - alpha * rho(r)``."""
+
+    def __init__(self, pool: torch.Tensor, bias: torch.Tensor, scale: float) -> None:
+        self.pool, self.bias, self.scale = pool, bias, scale  # [N, D], [N]
+        self.delta = torch.zeros(pool.shape[1], pool.shape[1], requires_grad=True)  # [D, D]
+
+    def __call__(self, q: torch.Tensor) -> torch.Tensor:  # [B, D] -> [B, N]
+        return F.normalize(q + q @ self.delta.T, dim=1) @ self.pool.T * self.scale + self.bias
+
+    @torch.no_grad()
+    def hit(self, split: Split, lo: int, hi: int) -> np.ndarray:
+        """Per pair of ``[lo, hi)``: 1 where the gold is the top answer."""
+        out = []
+        for a in range(lo, hi, 1024):
+            rows = torch.arange(a, min(a + 1024, hi))
+            out.append((split.masked(self(split.q[rows]), rows).argmax(1) == split.gold[rows]).numpy())
+        return np.concatenate(out).astype(float)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bundle", default="artifacts/default-bundle", help="a bundle with a response prior")
+    p.add_argument("--train", type=int, default=0, help="training pairs used, 0 for all")
+    p.add_argument("--select", type=int, default=2000, help="validation pairs [0:N) the epoch is chosen on")
+    p.add_argument("--limit", type=int, default=2000, help="test pairs [0:N)")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--out", type=Path, required=True, help="JSON file to write")
+    args = p.parse_args()
+    for flag, least in (("train", 0), ("select", 1), ("limit", 1), ("epochs", 1), ("batch_size", 1)):
+        if (value := getattr(args, flag)) < least:
+            raise SystemExit(f"--{flag.replace('_', '-')}: give at least {least}, got {value}")
+    if not args.lr > 0:
+        raise SystemExit(f"--lr: give a positive learning rate, got {args.lr}")
+    if not args.out.parent.is_dir():
+        raise SystemExit(f"--out: {args.out.parent} is not a folder; create it or name another")
+    try:
+        bot = Responder.load(args.bundle)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"--bundle: {exc}") from None
+    retrieve = bot.pipeline.retrieve
+    prior = getattr(retrieve, "prior", None)
+    if prior is None:
+        raise SystemExit("--bundle: it needs a response prior (the default bundle has one)")
+    splits = load_chitchat()
+    if args.select >= len(splits["valid"]):
+        raise SystemExit(f"--select: give fewer than the {len(splits['valid'])} validation pairs")
+    ids: dict[str, list[int]] = {}
+    for i, key in enumerate(bot.pipeline.keys):
+        ids.setdefault(key, []).append(i)
+    start = time.perf_counter()
+    train, valid, test = (Split(bot, pairs, ids) for pairs in (
+        splits["train"][: args.train or None], splits["valid"], splits["test"][: args.limit]))  # fmt: skip
+    encoded = len(train.q) + len(valid.q) + len(test.q)
+    print(f"encoded {encoded} contexts, {time.perf_counter() - start:.0f} s", flush=True)
+    pool = torch.from_numpy(retrieve.vectors(np.arange(retrieve.index.ntotal)))  # [N, D], unit
+    scorer = Scorer(pool, -prior.alpha * torch.from_numpy(prior.values).float(), float(train.scale))
+    opt = torch.optim.AdamW([scorer.delta], lr=args.lr, weight_decay=0.0)
+
+    def measure(epoch: int) -> dict:
+        row = {"epoch": epoch, "delta_norm": round(float(scorer.delta.detach().norm()), 3)}
+        parts = {"select": (valid, 0, args.select), "valid": (valid, args.select, len(valid.q)),
+                 "test": (test, 0, len(test.q))}  # fmt: skip
+        for name, (split, lo, hi) in parts.items():
+            row[name] = scorer.hit(split, lo, hi)
+        return row
+
+    rows = [measure(0)]
+    for epoch in range(1, args.epochs + 1):
+        order = torch.randperm(len(train.q), generator=torch.Generator().manual_seed(epoch))
+        for a in range(0, len(order), args.batch_size):
+            rows_ = order[a : a + args.batch_size]
+            loss = F.cross_entropy(train.masked(scorer(train.q[rows_]), rows_), train.gold[rows_])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        rows.append(measure(epoch))
+        print(f"epoch {epoch}: loss {loss.item():.3f}, select {100 * rows[-1]['select'].mean():.2f}, "
+              f"{time.perf_counter() - start:.0f} s", flush=True)  # fmt: skip
+    best = max(rows, key=lambda r: r["select"].mean())
+    result = provenance() | {"bundle": args.bundle, "train_pairs": len(train.q), "lr": args.lr,
+                             "batch_size": args.batch_size, "chosen_epoch": best["epoch"],
+                             "epochs": []}  # fmt: skip
+    for row in rows:
+        out = {"epoch": row["epoch"], "delta_norm": row["delta_norm"]}
+        for name in ("select", "valid", "test"):
+            out[name] = {"pairs": len(row[name]), "hits@1": round(float(100 * row[name].mean()), 2),
+                         "p_vs_step_0": round(paired_bootstrap(row[name], rows[0][name]), 4)}  # fmt: skip
+        print(out, flush=True)
+        result["epochs"].append(out)
+    write_json_atomic(args.out, result)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
