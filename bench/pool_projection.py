@@ -4,7 +4,7 @@ bundle's dense stage where a GPU lease is not at hand?
 The bundle's retriever encodes the training contexts once as served (its int8 ONNX graph), and a map
 ``q -> normalise(q + q @ delta.T)`` (``delta`` [D, D], starting at zero, so step 0 is the bundle) is
 trained by cross-entropy of each context's gold against every response of the pool, scored as served:
-``scale * cos - alpha * rho`` with the bundle's prior, the context's own turns (echoes, which the
+``scale * cos - alpha * rho`` with the bundle's prior (if any), the context's own turns (echoes, which the
 service drops) masked out. The response side is untouched, so the index and the prior stay valid. The
 map is linear and bias-free, so it is what a ``projection_dim`` context head of the same retriever would
 compute (:class:`coreply.models.BiEncoder`). Measured: dense hits@1 over the full pool, echoes dropped,
@@ -34,10 +34,14 @@ from evaluation.metrics import paired_bootstrap
 
 
 class Split:
-    """A split's served context vectors (unit) [Q, D], gold ids [Q] and echo ids as (row, id) [E, 2]."""
+    """A split's served context vectors (unit) [Q, D], gold ids [Q] and echo ids as (row, id) [E, 2];
+    pairs whose gold is not in the pool are left out."""
 
     def __init__(self, bot: Responder, pairs: list[Pair], ids: dict[str, list[int]]) -> None:
         retrieve = bot.pipeline.retrieve
+        pairs = [p for p in pairs if normalize(p.response) in ids]
+        if not pairs:
+            raise SystemExit("--bundle: its pool holds none of the chitchat replies; give a chitchat bundle")
         chunks = [retrieve.backend.encode_contexts([p.context for p in pairs[a : a + 1024]])  # type: ignore[attr-defined]
                   for a in range(0, len(pairs), 1024)]  # fmt: skip
         raw = torch.from_numpy(np.concatenate(chunks))  # [Q, D], the retriever's scale as their norm
@@ -77,7 +81,7 @@ class Scorer:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--bundle", default="artifacts/default-bundle", help="a bundle with a response prior")
+    p.add_argument("--bundle", default="artifacts/default-bundle", help="a bundle over the chitchat pool")
     p.add_argument("--train", type=int, default=0, help="training pairs used, 0 for all")
     p.add_argument("--select", type=int, default=2000, help="validation pairs [0:N) the epoch is chosen on")
     p.add_argument("--limit", type=int, default=2000, help="test pairs [0:N)")
@@ -98,22 +102,21 @@ def main() -> None:
     except (OSError, ValueError) as exc:
         raise SystemExit(f"--bundle: {exc}") from None
     retrieve = bot.pipeline.retrieve
-    prior = getattr(retrieve, "prior", None)
-    if prior is None:
-        raise SystemExit("--bundle: it needs a response prior (the default bundle has one)")
     splits = load_chitchat()
-    if args.select >= len(splits["valid"]):
-        raise SystemExit(f"--select: give fewer than the {len(splits['valid'])} validation pairs")
     ids: dict[str, list[int]] = {}
     for i, key in enumerate(bot.pipeline.keys):
         ids.setdefault(key, []).append(i)
     start = time.perf_counter()
     train, valid, test = (Split(bot, pairs, ids) for pairs in (
         splits["train"][: args.train or None], splits["valid"], splits["test"][: args.limit]))  # fmt: skip
+    if args.select >= len(valid.q):
+        raise SystemExit(f"--select: give fewer than the {len(valid.q)} validation pairs in the pool")
     encoded = len(train.q) + len(valid.q) + len(test.q)
     print(f"encoded {encoded} contexts, {time.perf_counter() - start:.0f} s", flush=True)
     pool = torch.from_numpy(retrieve.vectors(np.arange(retrieve.index.ntotal)))  # [N, D], unit
-    scorer = Scorer(pool, -prior.alpha * torch.from_numpy(prior.values).float(), float(train.scale))
+    prior = retrieve.prior  # type: ignore[attr-defined]
+    bias = -prior.alpha * torch.from_numpy(prior.values).float() if prior else torch.zeros(len(pool))  # [N]
+    scorer = Scorer(pool, bias, train.scale)
     opt = torch.optim.AdamW([scorer.delta], lr=args.lr, weight_decay=0.0)
 
     def measure(epoch: int) -> dict:
