@@ -13,9 +13,9 @@ import argparse
 
 import numpy as np
 
+from bench import responder  # bench/bench.py: this script's directory is on sys.path
 from coreply.corpus import load_chitchat
 from coreply.ranking import Query
-from coreply.responder import Responder
 from coreply.vectors import unit
 
 
@@ -28,10 +28,7 @@ def main() -> None:
     args = p.parse_args()
     if min(args.contexts, args.batch, args.threads) < 1:
         raise SystemExit("--contexts, --batch and --threads must be >= 1")
-    try:
-        bot = Responder.load(args.bundle, threads=args.threads)
-    except (OSError, ValueError) as exc:
-        raise SystemExit(f"--bundle: {exc}") from None
+    bot = responder(args.bundle, threads=args.threads)
     contexts = [p.context for p in load_chitchat()["test"][: args.contexts]]
     chunks = [contexts[s : s + args.batch] for s in range(0, len(contexts), args.batch)]
     encode = bot.backend.encode_contexts

@@ -54,6 +54,17 @@ def provenance() -> dict[str, str]:
     }
 
 
+def refuse_below(args: argparse.Namespace, **floors: float) -> None:
+    """A one-line exit naming the first flag under its floor (``batch_size=1`` is ``--batch-size``),
+    or ``--out`` where its folder does not exist: before any slow work starts."""
+    for flag, least in floors.items():
+        if (value := getattr(args, flag)) < least:
+            raise SystemExit(f"--{flag.replace('_', '-')}: give at least {least}, got {value}")
+    out = getattr(args, "out", None)
+    if out is not None and not out.parent.is_dir():
+        raise SystemExit(f"--out: {out.parent} is not a folder; create it or name another")
+
+
 def add_pairs_args(p: argparse.ArgumentParser, split: str, start: int, limit: int) -> None:
     """``--split``, ``--start`` and ``--limit`` (which chitchat pairs a bench measures) and ``--out``
     (its JSON file); :func:`chosen_pairs` checks them."""
@@ -68,27 +79,30 @@ def chosen_pairs(args: argparse.Namespace) -> list:
     none or ``--out`` has no folder."""
     from coreply.corpus import load_chitchat
 
-    if args.out is not None and not args.out.parent.is_dir():
-        raise SystemExit(f"--out: {args.out.parent} is not a folder; create it or name another")
-    if args.start < 0 or args.limit < 1:
-        raise SystemExit(f"--start must be >= 0 and --limit >= 1, got {args.start} and {args.limit}")
+    refuse_below(args, start=0, limit=1)
     pairs = load_chitchat()[args.split][args.start : args.start + args.limit]
     if not pairs:
         raise SystemExit(f"--start {args.start}: the {args.split} split has fewer pairs; give a smaller one")
     return pairs
 
 
-def onnx_reranker(bundle: str):
-    """The bundle's :class:`~coreply.responder.Responder` on its ONNX graphs; a one-line exit naming
-    ``--bundle`` unless it loads and has a reranker exported to ONNX."""
-    from coreply.bundle import BundleError
-    from coreply.inference import OnnxBackend
+def responder(path: str, **options):
+    """``Responder.load(path, **options)``, or a one-line exit naming ``--bundle`` with why it did not
+    load (missing, unreadable, or failing its checks)."""
     from coreply.responder import Responder
 
     try:
-        bot = Responder.load(bundle, backend="onnx")
-    except BundleError as exc:
+        return Responder.load(path, **options)
+    except (OSError, ValueError) as exc:  # a BundleError too
         raise SystemExit(f"--bundle: {exc}") from None
+
+
+def onnx_reranker(bundle: str):
+    """The bundle's :class:`~coreply.responder.Responder` on its ONNX graphs; a one-line exit naming
+    ``--bundle`` unless it loads and has a reranker exported to ONNX."""
+    from coreply.inference import OnnxBackend
+
+    bot = responder(bundle, backend="onnx")
     if not isinstance(bot.backend, OnnxBackend) or bot.backend.cross is None:
         raise SystemExit(f"--bundle {bundle}: needs a reranker exported to ONNX")
     return bot

@@ -34,15 +34,14 @@ from bench import (  # bench/bench.py: this script's directory is on sys.path
     add_pairs_args,
     chosen_pairs,
     provenance,
+    responder,
 )
 from coreply import restatement
 from coreply.artifacts import write_json_atomic
-from coreply.bundle import BundleError
 from coreply.checkpoint import load_bi
 from coreply.config import ZERO_SHOT
 from coreply.corpus import load_chitchat
 from coreply.ranking import Query
-from coreply.responder import Responder
 from coreply.text import normalize
 from evaluation.metrics import paired_bootstrap
 from evaluation.restatement import RestatementJudge, words_rate
@@ -64,10 +63,7 @@ def main() -> None:
         if bad := [q for q in qs if not 0.5 <= q < 1]:
             raise SystemExit(f"{flag}: each quantile in [0.5, 1), got {bad}")
     pairs = chosen_pairs(args)
-    try:
-        bot = Responder.load(args.bundle)
-    except BundleError as exc:
-        raise SystemExit(f"--bundle: {exc}") from None
+    bot = responder(args.bundle)
     ranking = bot.pipeline
     if ranking.guard is None or ranking.turn_vectors is None:
         raise SystemExit(f"--bundle {args.bundle}: has no restatement guard to compare with (rebuild it)")

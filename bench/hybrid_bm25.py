@@ -31,7 +31,7 @@ from pathlib import Path
 
 from bm25s.stopwords import STOPWORDS_EN
 
-from bench import provenance  # bench/bench.py: this script's directory is on sys.path
+from bench import provenance, refuse_below  # bench/bench.py: this script's directory is on sys.path
 from coreply import restatement
 from coreply.artifacts import write_json_atomic
 from coreply.checkpoint import load_bi
@@ -133,17 +133,13 @@ def main() -> None:
     p.add_argument("--weights", type=float, nargs="+", default=[0.9, 0.8, 0.7, 0.6, 0.5])
     p.add_argument("--out", type=Path, required=True, help="JSON file to write")
     args = p.parse_args()
-    for flag, least in (("limit", 1), ("start", 0), ("depth", 2), ("pool", 0)):
-        if (value := getattr(args, flag)) < least:
-            raise SystemExit(f"--{flag}: give at least {least}, got {value}")
+    refuse_below(args, limit=1, start=0, depth=2, pool=0)  # and --out, found before encoding
     if args.pool and args.bundle:
         raise SystemExit("--pool: a bundle searches its own pool; give --pool with --bi only")
     if args.guard_quantile is not None and not (args.bundle and 0.5 <= args.guard_quantile < 1):
         raise SystemExit("--guard-quantile: give one in [0.5, 1), with --bundle")
     if not all(0 <= w < 1 for w in args.weights):
         raise SystemExit("--weights: each in [0, 1) (1 is dense alone, always measured)")
-    if not args.out.parent.is_dir():  # found now, not after the pool's encoding
-        raise SystemExit(f"--out: {args.out.parent} is not a folder; create it or name another")
     splits = load_chitchat()
     start = time.perf_counter()
     dense = dense_stage(args, splits)

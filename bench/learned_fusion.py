@@ -34,14 +34,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench import provenance  # bench/bench.py: this script's directory is on sys.path
+from bench import (  # bench/bench.py: this script's directory is on sys.path
+    provenance,
+    refuse_below,
+    responder,
+)
 from coreply import restatement
 from coreply.artifacts import write_json_atomic
 from coreply.checkpoint import load_bi
 from coreply.config import ZERO_SHOT
 from coreply.corpus import load_chitchat
 from coreply.ranking import Pipeline, zscore
-from coreply.responder import Responder
 from coreply.text import normalize
 from coreply.vectors import TextVectors, unit
 from evaluation.metrics import paired_bootstrap, per_case, summarize
@@ -135,15 +138,8 @@ def main() -> None:
     p.add_argument("--l2", type=float, default=1e-3, help="weight decay of the scorer")
     p.add_argument("--out", type=Path, required=True, help="JSON file to write")
     args = p.parse_args()
-    for flag, least in (("train", 100), ("limit", 1), ("depth", 10), ("l2", 0)):
-        if (value := getattr(args, flag)) < least:
-            raise SystemExit(f"--{flag}: give at least {least}, got {value}")
-    if not args.out.parent.is_dir():
-        raise SystemExit(f"--out: {args.out.parent} is not a folder; create it or name another")
-    try:
-        bot = Responder.load(args.bundle)
-    except (OSError, ValueError) as exc:
-        raise SystemExit(f"--bundle: {exc}") from None
+    refuse_below(args, train=100, limit=1, depth=10, l2=0)
+    bot = responder(args.bundle)
     served = bot.pipeline
     if served.lexical is None or served.guard is None:
         raise SystemExit("--bundle: it needs a lexical stage and a restatement guard, as the default has")

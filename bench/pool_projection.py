@@ -25,7 +25,11 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from bench import provenance  # bench/bench.py: this script's directory is on sys.path
+from bench import (  # bench/bench.py: this script's directory is on sys.path
+    provenance,
+    refuse_below,
+    responder,
+)
 from coreply.artifacts import write_json_atomic
 from coreply.corpus import Pair, load_chitchat
 from coreply.responder import Responder
@@ -35,9 +39,10 @@ from evaluation.metrics import paired_bootstrap
 
 class Split:
     """A split's served context vectors (unit) [Q, D], gold ids [Q] and echo ids as (row, id) [E, 2];
-    pairs whose gold is not in the pool are left out."""
+    pairs whose gold is not in the pool are left out. A gold that repeats a context turn is an echo
+    too, a miss as the service would have it, and such pairs are not ``answerable`` (not trained on)."""
 
-    def __init__(self, bot: Responder, pairs: list[Pair], ids: dict[str, list[int]]) -> None:
+    def __init__(self, bot: Responder, pairs: list[Pair], ids: dict[str, int]) -> None:
         retrieve = bot.pipeline.retrieve
         pairs = [p for p in pairs if normalize(p.response) in ids]
         if not pairs:
@@ -46,10 +51,13 @@ class Split:
                   for a in range(0, len(pairs), 1024)]  # fmt: skip
         raw = torch.from_numpy(np.concatenate(chunks))  # [Q, D], the retriever's scale as their norm
         self.q, self.scale = F.normalize(raw, dim=1), float(raw.norm(dim=1).mean())
-        self.gold = torch.tensor([ids[normalize(p.response)][0] for p in pairs])
-        echoes = [(r, j) for r, p in enumerate(pairs) for t in p.context for j in ids.get(normalize(t), [])
-                  if j != self.gold[r]]  # fmt: skip
+        gold = [ids[normalize(p.response)] for p in pairs]
+        self.gold = torch.tensor(gold)
+        echoes = [(r, ids[key]) for r, p in enumerate(pairs) for key in {normalize(t) for t in p.context}
+                  if key in ids]  # fmt: skip
         self.echoes = torch.tensor(echoes, dtype=torch.long).reshape(-1, 2)
+        self.answerable = torch.ones(len(pairs), dtype=torch.bool)
+        self.answerable[[r for r, j in echoes if j == gold[r]]] = False
 
     def masked(self, scores: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """``scores`` [B, N] of ``rows`` [B] with each row's echoes at -inf."""
@@ -90,22 +98,13 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--out", type=Path, required=True, help="JSON file to write")
     args = p.parse_args()
-    for flag, least in (("train", 0), ("select", 1), ("limit", 1), ("epochs", 1), ("batch_size", 1)):
-        if (value := getattr(args, flag)) < least:
-            raise SystemExit(f"--{flag.replace('_', '-')}: give at least {least}, got {value}")
+    refuse_below(args, train=0, select=1, limit=1, epochs=1, batch_size=1)
     if not args.lr > 0:
         raise SystemExit(f"--lr: give a positive learning rate, got {args.lr}")
-    if not args.out.parent.is_dir():
-        raise SystemExit(f"--out: {args.out.parent} is not a folder; create it or name another")
-    try:
-        bot = Responder.load(args.bundle)
-    except (OSError, ValueError) as exc:
-        raise SystemExit(f"--bundle: {exc}") from None
+    bot = responder(args.bundle)
     retrieve = bot.pipeline.retrieve
     splits = load_chitchat()
-    ids: dict[str, list[int]] = {}
-    for i, key in enumerate(bot.pipeline.keys):
-        ids.setdefault(key, []).append(i)
+    ids = {key: i for i, key in enumerate(bot.pipeline.keys)}  # the pool holds each normalised text once
     start = time.perf_counter()
     train, valid, test = (Split(bot, pairs, ids) for pairs in (
         splits["train"][: args.train or None], splits["valid"], splits["test"][: args.limit]))  # fmt: skip
@@ -130,6 +129,7 @@ def main() -> None:
     rows = [measure(0)]
     for epoch in range(1, args.epochs + 1):
         order = torch.randperm(len(train.q), generator=torch.Generator().manual_seed(epoch))
+        order = order[train.answerable[order]]  # [Q'], a gold at -inf has no loss to learn from
         for a in range(0, len(order), args.batch_size):
             rows_ = order[a : a + args.batch_size]
             loss = F.cross_entropy(train.masked(scorer(train.q[rows_]), rows_), train.gold[rows_])

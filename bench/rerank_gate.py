@@ -22,12 +22,15 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import provenance  # bench/bench.py: this script's directory is on sys.path
+from bench import (  # bench/bench.py: this script's directory is on sys.path
+    provenance,
+    refuse_below,
+    responder,
+)
 from coreply.artifacts import write_json_atomic
-from coreply.bundle import BACKENDS, BundleError
+from coreply.bundle import BACKENDS
 from coreply.corpus import load_chitchat
 from coreply.gate import confident
-from coreply.responder import Responder
 from coreply.text import normalize
 from evaluation.metrics import paired_bootstrap
 from evaluation.protocols import choose_gate, ranked_ids, retrieve_and_rerank
@@ -64,12 +67,8 @@ def main() -> None:
         raise SystemExit(f"--fidelity: each in [0, 1), got {bad}")
     if args.backend not in BACKENDS:
         raise SystemExit(f"--backend: one of {', '.join(BACKENDS)}, got {args.backend!r}")
-    if args.out is not None and not args.out.parent.is_dir():
-        raise SystemExit(f"--out: {args.out.parent} is not a folder; create it or name another")
-    try:
-        bot = Responder.load(args.bundle, backend=args.backend)
-    except BundleError as exc:
-        raise SystemExit(f"--bundle: {exc}") from None
+    refuse_below(args)
+    bot = responder(args.bundle, backend=args.backend)
     ranking, fusion, weight = bot.pipeline, bot.default_fusion, bot.pipeline.weight
     if ranking.reranker is None:
         raise SystemExit(f"--bundle {args.bundle}: has no reranker, so nothing to gate")

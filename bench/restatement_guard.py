@@ -40,13 +40,13 @@ from typing import Any
 
 import numpy as np
 
+from bench import responder  # bench/bench.py: this script's directory is on sys.path
 from coreply.bundle import BACKENDS
 from coreply.checkpoint import load_bi
 from coreply.config import ZERO_SHOT
 from coreply.corpus import load_chitchat
 from coreply.gate import gated_fusion
 from coreply.ranking import FUSIONS, Query, order
-from coreply.responder import Responder
 from coreply.text import normalize
 from evaluation.metrics import paired_bootstrap
 from evaluation.restatement import RestatementJudge, words_rate
@@ -89,7 +89,7 @@ def sweep(args: argparse.Namespace) -> None:
     """The guard re-calibrated at each of ``args.quantiles``, measured on the split's pairs."""
     from coreply import restatement
 
-    bot = Responder.load(args.bundle, backend=args.backend)
+    bot = responder(args.bundle, backend=args.backend)
     ranking = bot.pipeline
     if ranking.guard is None:
         raise SystemExit(f"{args.bundle}: this bundle has no restatement guard (rebuild it)")
@@ -182,7 +182,7 @@ def main() -> None:
             span = f"{args.split}[{args.start}:{args.start + args.limit}]"
             raise SystemExit(f"--against {path}: not a run of this bench on {span}")
 
-    bot = Responder.load(args.bundle, backend=args.backend)
+    bot = responder(args.bundle, backend=args.backend)
     ranking = bot.pipeline
     if ranking.guard is None:
         raise SystemExit(f"{args.bundle}: this bundle has no restatement guard (rebuild it)")

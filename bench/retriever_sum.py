@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from bench import provenance  # bench/bench.py: this script's directory is on sys.path
+from bench import provenance, refuse_below  # bench/bench.py: this script's directory is on sys.path
 from coreply.artifacts import write_json_atomic
 from coreply.checkpoint import load_bi
 from coreply.corpus import load_chitchat, responses_of
@@ -68,14 +68,9 @@ def main() -> None:
     p.add_argument("--pool", type=int, default=0, help="a sub-pool of N responses (0: the full pool)")
     p.add_argument("--out", type=Path, required=True, help="JSON file to write")
     args = p.parse_args()
-    if args.limit < 1:
-        raise SystemExit("--limit: give at least 1 pair")
-    if args.pool < 0:
-        raise SystemExit("--pool: give 0 (the full pool) or a number of responses")
     if len(args.bi) > 2 or len(set(args.bi)) < len(args.bi):
         raise SystemExit("--bi: name one retriever, or two different ones")
-    if not args.out.parent.is_dir():  # found now, not after half an hour of encoding
-        raise SystemExit(f"--out: {args.out.parent} is not a folder; create it or name another")
+    refuse_below(args, limit=1, pool=0)  # and --out: found now, not after half an hour of encoding
     splits = load_chitchat()
     golds = [pair for s in args.split for pair in splits[s][: args.limit]]
     pool = pool_for_eval(responses_of(splits), golds, args.pool or None, 0)

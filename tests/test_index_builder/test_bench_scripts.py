@@ -358,13 +358,15 @@ def test_hybrid_bm25_reorders_the_retrievers_first_candidates(tmp_path, tiny_cor
     assert [r["system"] for r in result["B"]] == ["test: dense", "test: dense + BM25, w=0.5"]
 
 
-def test_restatement_guard_answers_as_the_service_does(guarded_bundle, toy_pairs):
+def test_restatement_guard_answers_as_the_service_does(guarded_bundle, toy_pairs, monkeypatch):
     """The bench's batched answers are the service's, one request at a time: in the first stage's order
     and reranked with the bundle's fusion, with the guard off and on."""
     import importlib.util
 
     from coreply.responder import Responder
 
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # as when run: its helpers in bench/bench.py
+    monkeypatch.delitem(sys.modules, "bench", raising=False)
     path = ROOT / "bench" / "restatement_guard.py"
     spec = importlib.util.spec_from_file_location("restatement_guard", path)
     assert spec is not None and spec.loader is not None
