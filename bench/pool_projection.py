@@ -40,14 +40,16 @@ from evaluation.metrics import paired_bootstrap
 class Split:
     """A split's served context vectors (unit) [Q, D], gold ids [Q] and echo ids as (row, id) [E, 2];
     pairs whose gold is not in the pool are left out. A gold that repeats a context turn is an echo
-    too, a miss as the service would have it, and such pairs are not ``answerable`` (not trained on)."""
+    too, a miss as the service would have it, and such pairs are not ``answerable`` (not trained on).
+    ``turns``: the contexts are encoded from their last N turns only (0: as served, all of them); the
+    echoes are those of the whole context still."""
 
-    def __init__(self, bot: Responder, pairs: list[Pair], ids: dict[str, int]) -> None:
+    def __init__(self, bot: Responder, pairs: list[Pair], ids: dict[str, int], turns: int = 0) -> None:
         retrieve = bot.pipeline.retrieve
         pairs = [p for p in pairs if normalize(p.response) in ids]
         if not pairs:
             raise SystemExit("--bundle: its pool holds none of the chitchat replies; give a chitchat bundle")
-        chunks = [retrieve.backend.encode_contexts([p.context for p in pairs[a : a + 1024]])  # type: ignore[attr-defined]
+        chunks = [retrieve.backend.encode_contexts([p.context[-turns:] for p in pairs[a : a + 1024]])  # type: ignore[attr-defined]
                   for a in range(0, len(pairs), 1024)]  # fmt: skip
         raw = torch.from_numpy(np.concatenate(chunks))  # [Q, D], the retriever's scale as their norm
         self.q, self.scale = F.normalize(raw, dim=1), float(raw.norm(dim=1).mean())
