@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import numpy as np
@@ -33,6 +34,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from coreply.text import normalize
+
+if TYPE_CHECKING:
+    from coreply.responder import Responder
 
 
 def percentiles(ms: list[float]) -> dict[str, float]:
@@ -86,7 +90,7 @@ def chosen_pairs(args: argparse.Namespace) -> list:
     return pairs
 
 
-def responder(path: str, **options):
+def responder(path: str, **options) -> Responder:
     """``Responder.load(path, **options)``, or a one-line exit naming ``--bundle`` with why it did not
     load (missing, unreadable, or failing its checks)."""
     from coreply.responder import Responder
@@ -97,7 +101,7 @@ def responder(path: str, **options):
         raise SystemExit(f"--bundle: {exc}") from None
 
 
-def onnx_reranker(bundle: str):
+def onnx_reranker(bundle: str) -> Responder:
     """The bundle's :class:`~coreply.responder.Responder` on its ONNX graphs; a one-line exit naming
     ``--bundle`` unless it loads and has a reranker exported to ONNX."""
     from coreply.inference import OnnxBackend
