@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from pool_projection import Split  # bench/pool_projection.py, beside this script
+from pool_projection import Split, served_pool, top1_hits  # bench/pool_projection.py, beside this script
 
 from bench import (  # bench/bench.py: this script's directory is on sys.path
     provenance,
@@ -40,17 +40,15 @@ def simplex(views: int, steps: int) -> list[tuple[float, ...]]:
             if sum(combo) == steps]  # fmt: skip
 
 
-@torch.no_grad()
 def hits(splits: list[Split], mix: tuple[float, ...], pool: torch.Tensor, bias: torch.Tensor,
          lo: int, hi: int) -> np.ndarray:  # fmt: skip
     """Per pair of ``[lo, hi)``: 1 where the gold leads the pool under ``mix`` of the views ``splits``."""
-    first, out = splits[0], []
-    for a in range(lo, hi, 1024):
-        rows = torch.arange(a, min(a + 1024, hi))
+
+    def score(rows: torch.Tensor) -> torch.Tensor:  # [B] -> [B, N]
         q = sum(w * s.q[rows] for w, s in zip(mix, splits, strict=True) if w)  # [B, D], not unit
-        scores = first.masked(q @ pool.T * first.scale + bias, rows)  # [B, N]
-        out.append((scores.argmax(1) == first.gold[rows]).numpy())
-    return np.concatenate(out).astype(float)
+        return q @ pool.T * splits[0].scale + bias
+
+    return top1_hits(splits[0], score, lo, hi)
 
 
 def main() -> None:
@@ -66,7 +64,6 @@ def main() -> None:
     if min(args.views) < 0 or len(set(args.views)) < len(args.views) or args.views[0] != 0:
         raise SystemExit(f"--views: distinct turn counts >= 0, the served view 0 first, got {args.views}")
     bot = responder(args.bundle)
-    retrieve = bot.pipeline.retrieve
     ids = {key: i for i, key in enumerate(bot.pipeline.keys)}  # the pool holds each normalised text once
     chitchat = load_chitchat()
     start = time.perf_counter()
@@ -75,9 +72,7 @@ def main() -> None:
     if args.select >= len(valid[0].q):
         raise SystemExit(f"--select: give fewer than the {len(valid[0].q)} validation pairs in the pool")
     print(f"encoded {len(args.views)} views, {time.perf_counter() - start:.0f} s", flush=True)
-    pool = torch.from_numpy(retrieve.vectors(np.arange(retrieve.index.ntotal)))  # [N, D], unit
-    prior = retrieve.prior  # type: ignore[attr-defined]
-    bias = -prior.alpha * torch.from_numpy(prior.values).float() if prior else torch.zeros(len(pool))  # [N]
+    pool, bias = served_pool(bot)  # [N, D], [N]
 
     served = (1.0,) + (0.0,) * (len(args.views) - 1)
     chosen = {

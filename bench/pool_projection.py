@@ -11,14 +11,15 @@ compute (:class:`coreply.models.BiEncoder`). Measured: dense hits@1 over the ful
 no guard or lexical stage, on validation ``[0:--select)`` (where the epoch is chosen), validation
 ``[--select:]`` and the first ``--limit`` test pairs, with one-sided paired bootstrap p against step 0.
 
-    python bench/pool_projection.py --bundle artifacts/default-bundle --epochs 2 \\
-        --out docs/pool-projection-2026-11-28.json      # ~20 min encoding + ~6 min an epoch here
+    python bench/pool_projection.py --bundle artifacts/default-bundle --epochs 1 \\
+        --out docs/pool-projection.json      # ~19 min encoding + ~9 min an epoch here
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -69,6 +70,27 @@ class Split:
         return scores.index_put((at[self.echoes[hit, 0]], self.echoes[hit, 1]), torch.tensor(float("-inf")))
 
 
+def served_pool(bot: Responder) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bundle's pool as unit vectors [N, D] and the bias its prior adds to each score,
+    ``-alpha * rho`` [N] (zeros where it has none)."""
+    retrieve = bot.pipeline.retrieve
+    pool = torch.from_numpy(retrieve.vectors(np.arange(retrieve.index.ntotal)))  # [N, D], unit
+    prior = retrieve.prior  # type: ignore[attr-defined]
+    bias = -prior.alpha * torch.from_numpy(prior.values).float() if prior else torch.zeros(len(pool))  # [N]
+    return pool, bias
+
+
+@torch.no_grad()
+def top1_hits(split: Split, score: Callable[[torch.Tensor], torch.Tensor], lo: int, hi: int) -> np.ndarray:
+    """Per pair of ``[lo, hi)``: 1 where the gold leads the pool, ``score(rows)`` [B, N] with the rows'
+    echoes masked."""
+    out = []
+    for a in range(lo, hi, 1024):
+        rows = torch.arange(a, min(a + 1024, hi))
+        out.append((split.masked(score(rows), rows).argmax(1) == split.gold[rows]).numpy())
+    return np.concatenate(out).astype(float)
+
+
 class Scorer:
     """Served scores of mapped contexts against the pool: ``scale * cos(q', r) - alpha * rho(r)``."""
 
@@ -78,15 +100,6 @@ class Scorer:
 
     def __call__(self, q: torch.Tensor) -> torch.Tensor:  # [B, D] -> [B, N]
         return F.normalize(q + q @ self.delta.T, dim=1) @ self.pool.T * self.scale + self.bias
-
-    @torch.no_grad()
-    def hit(self, split: Split, lo: int, hi: int) -> np.ndarray:
-        """Per pair of ``[lo, hi)``: 1 where the gold is the top answer."""
-        out = []
-        for a in range(lo, hi, 1024):
-            rows = torch.arange(a, min(a + 1024, hi))
-            out.append((split.masked(self(split.q[rows]), rows).argmax(1) == split.gold[rows]).numpy())
-        return np.concatenate(out).astype(float)
 
 
 def main() -> None:
@@ -104,7 +117,6 @@ def main() -> None:
     if not args.lr > 0:
         raise SystemExit(f"--lr: give a positive learning rate, got {args.lr}")
     bot = responder(args.bundle)
-    retrieve = bot.pipeline.retrieve
     splits = load_chitchat()
     ids = {key: i for i, key in enumerate(bot.pipeline.keys)}  # the pool holds each normalised text once
     start = time.perf_counter()
@@ -114,10 +126,7 @@ def main() -> None:
         raise SystemExit(f"--select: give fewer than the {len(valid.q)} validation pairs in the pool")
     encoded = len(train.q) + len(valid.q) + len(test.q)
     print(f"encoded {encoded} contexts, {time.perf_counter() - start:.0f} s", flush=True)
-    pool = torch.from_numpy(retrieve.vectors(np.arange(retrieve.index.ntotal)))  # [N, D], unit
-    prior = retrieve.prior  # type: ignore[attr-defined]
-    bias = -prior.alpha * torch.from_numpy(prior.values).float() if prior else torch.zeros(len(pool))  # [N]
-    scorer = Scorer(pool, bias, train.scale)
+    scorer = Scorer(*served_pool(bot), train.scale)
     opt = torch.optim.AdamW([scorer.delta], lr=args.lr, weight_decay=0.0)
 
     def measure(epoch: int) -> dict:
@@ -125,7 +134,7 @@ def main() -> None:
         parts = {"select": (valid, 0, args.select), "valid": (valid, args.select, len(valid.q)),
                  "test": (test, 0, len(test.q))}  # fmt: skip
         for name, (split, lo, hi) in parts.items():
-            row[name] = scorer.hit(split, lo, hi)
+            row[name] = top1_hits(split, lambda rows, split=split: scorer(split.q[rows]), lo, hi)
         return row
 
     rows = [measure(0)]
