@@ -122,6 +122,8 @@ def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):
         ("pool_projection.py", ["--lr", "0", "--out", str(other)], "--lr: "),
         ("context_views.py", ["--views", "1", "0", "--out", str(other)], "--views: "),
         ("context_views.py", ["--grid", "0", "--out", str(other)], "--grid: "),
+        ("reply_memory.py", ["--bundle", str(tmp_path), "--out", str(other)], "--bundle: "),
+        ("reply_memory.py", ["--tau", "0.05", "0", "--out", str(other)], "--tau: "),
         ("restatement_guard.py", ["--bundle", str(tmp_path)], "--bundle: "),
         ("batch_effect.py", ["--bundle", str(tmp_path)], "--bundle: "),
         ("search_kernels.py", ["--bundle", str(tmp_path)], "--bundle: "),
