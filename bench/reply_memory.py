@@ -92,6 +92,8 @@ def main() -> None:
     bot = responder(args.bundle)
     ids = {key: i for i, key in enumerate(bot.pipeline.keys)}  # the pool holds each normalised text once
     chitchat = load_chitchat()
+    if max(args.k) > len(chitchat["train"][: args.train or None]):  # before 15 minutes of encoding
+        raise SystemExit(f"--k: give at most the training pairs in the memory, got {max(args.k)}")
     start = time.perf_counter()
     train, valid, test = (Split(bot, pairs, ids) for pairs in (
         chitchat["train"][: args.train or None], chitchat["valid"], chitchat["test"][: args.limit]

@@ -124,6 +124,11 @@ def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):
         ("context_views.py", ["--grid", "0", "--out", str(other)], "--grid: "),
         ("reply_memory.py", ["--bundle", str(tmp_path), "--out", str(other)], "--bundle: "),
         ("reply_memory.py", ["--tau", "0.05", "0", "--out", str(other)], "--tau: "),
+        (
+            "reply_memory.py",
+            ["--bundle", str(tiny_bundle), "--train", "5", "--k", "8", "--out", str(other)],
+            "--k: ",
+        ),
         ("restatement_guard.py", ["--bundle", str(tmp_path)], "--bundle: "),
         ("batch_effect.py", ["--bundle", str(tmp_path)], "--bundle: "),
         ("search_kernels.py", ["--bundle", str(tmp_path)], "--bundle: "),
