@@ -83,14 +83,15 @@ def main() -> None:
     print(f"chose {best} of {len(chosen)} mixes, {time.perf_counter() - start:.0f} s", flush=True)
     result = provenance() | {"bundle": args.bundle, "views": args.views, "mixes": len(chosen),
                              "chosen": best, "rows": []}  # fmt: skip
+    parts = {"select": (valid, 0, args.select), "valid": (valid, args.select, len(valid[0].q)),
+             "test": (test, 0, len(test[0].q))}  # fmt: skip
+    base = {name: hits(splits, served, pool, bias, lo, hi) for name, (splits, lo, hi) in parts.items()}
     for mix in dict.fromkeys([served, best]):
         row = {"mix": mix}
-        parts = {"select": (valid, 0, args.select), "valid": (valid, args.select, len(valid[0].q)),
-                 "test": (test, 0, len(test[0].q))}  # fmt: skip
         for name, (splits, lo, hi) in parts.items():
-            now, base = hits(splits, mix, pool, bias, lo, hi), hits(splits, served, pool, bias, lo, hi)
+            now = base[name] if mix == served else hits(splits, mix, pool, bias, lo, hi)
             row[name] = {"pairs": len(now), "hits@1": round(float(100 * now.mean()), 2),
-                         "p_vs_served": round(paired_bootstrap(now, base), 4)}  # fmt: skip
+                         "p_vs_served": round(paired_bootstrap(now, base[name]), 4)}  # fmt: skip
         print(row, flush=True)
         result["rows"].append(row)
     result["top_mixes"] = [{"mix": m, "select_hits@1": round(100 * float(v), 2)}

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 from pool_projection import Split, served_pool, top1_hits  # bench/pool_projection.py, beside this script
 
@@ -46,23 +47,23 @@ class Memory:
         keep = train.answerable  # a gold that repeats its context is an echo, not a reply to learn from
         self.q, self.gold, self.most = train.q[keep], train.gold[keep], most
         self.pool, self.bias, self.scale = pool, bias, train.scale  # [N, D], [N]
-        self.near: dict[int, torch.return_types.topk] = {}
+        self.near: dict[int, tuple[torch.Tensor, ...]] = {}
 
     @torch.no_grad()
     def score(self, split: Split, k: int, tau: float, lam: float,
               self_vote: bool) -> Callable[[torch.Tensor], torch.Tensor]:  # fmt: skip
         """``score(rows)`` [B] -> [B, N] for ``split``; ``lam == 0``: the served scores."""
         if id(split) not in self.near:
-            chunks = range(0, len(split.q), 1024)
-            cos = torch.cat([split.q[a : a + 1024] @ self.q.T for a in chunks])  # [Q, M]
-            self.near[id(split)] = cos.topk(self.most, dim=1)
-        near = self.near[id(split)]  # values, indices [Q, most]
+            tops = [(split.q[a : a + 1024] @ self.q.T).topk(self.most, dim=1)  # of [B, M]
+                    for a in range(0, len(split.q), 1024)]  # fmt: skip
+            self.near[id(split)] = tuple(torch.cat(t) for t in zip(*tops, strict=True))
+        values, indices = self.near[id(split)]  # [Q, most] each
 
         def score(rows: torch.Tensor) -> torch.Tensor:
             dense = split.q[rows] @ self.pool.T  # [B, N]
             if lam:
-                w = torch.softmax(near.values[rows, :k] / tau, dim=1)  # [B, k]
-                gold = self.gold[near.indices[rows, :k]]  # [B, k]
+                w = torch.softmax(values[rows, :k] / tau, dim=1)  # [B, k]
+                gold = self.gold[indices[rows, :k]]  # [B, k]
                 vote = torch.einsum("bk,bkd->bd", w, self.pool[gold]) @ self.pool.T  # [B, N]
                 if not self_vote:
                     vote.scatter_add_(1, gold, -w)  # cos(gold_j, gold_j) = 1
@@ -106,10 +107,16 @@ def main() -> None:
     print(f"encoded {encoded} contexts, {time.perf_counter() - start:.0f} s", flush=True)
     memory = Memory(train, *served_pool(bot), max(args.k))
 
+    def hits(split: Split, mix: tuple[int, float, float], lo: int, hi: int) -> np.ndarray:
+        return top1_hits(split, memory.score(split, *mix, args.self_vote), lo, hi)
+
     served = (args.k[0], args.tau[0], 0.0)
-    chosen = {served: top1_hits(valid, memory.score(valid, *served, args.self_vote), 0, args.select).mean()}
+    parts = {"select": (valid, 0, args.select), "valid": (valid, args.select, len(valid.q)),
+             "test": (test, 0, len(test.q))}  # fmt: skip
+    base = {name: hits(split, served, lo, hi) for name, (split, lo, hi) in parts.items()}
+    chosen = {served: base["select"].mean()}
     for mix in itertools.product(args.k, args.tau, args.lam):
-        chosen[mix] = top1_hits(valid, memory.score(valid, *mix, args.self_vote), 0, args.select).mean()
+        chosen[mix] = hits(valid, mix, 0, args.select).mean()
         print(f"k {mix[0]}, tau {mix[1]}, lam {mix[2]}: select {100 * chosen[mix]:.2f}", flush=True)
     best = max(chosen, key=lambda mix: (chosen[mix], mix == served))  # the served scores win a tie
     print(f"chose {best}, {time.perf_counter() - start:.0f} s", flush=True)
@@ -118,13 +125,10 @@ def main() -> None:
                              "chosen": {"k": best[0], "tau": best[1], "lam": best[2]}}  # fmt: skip
     for mix in dict.fromkeys([served, best]):
         row: dict = {"k": mix[0], "tau": mix[1], "lam": mix[2]}
-        parts = {"select": (valid, 0, args.select), "valid": (valid, args.select, len(valid.q)),
-                 "test": (test, 0, len(test.q))}  # fmt: skip
         for name, (split, lo, hi) in parts.items():
-            now = top1_hits(split, memory.score(split, *mix, args.self_vote), lo, hi)
-            base = top1_hits(split, memory.score(split, *served, args.self_vote), lo, hi)
+            now = base[name] if mix == served else hits(split, mix, lo, hi)
             row[name] = {"pairs": len(now), "hits@1": round(float(100 * now.mean()), 2),
-                         "p_vs_served": round(paired_bootstrap(now, base), 4)}  # fmt: skip
+                         "p_vs_served": round(paired_bootstrap(now, base[name]), 4)}  # fmt: skip
         print(row, flush=True)
         result["rows"].append(row)
     result["grid"] = [{"k": m[0], "tau": m[1], "lam": m[2], "select_hits@1": round(100 * float(v), 2)}
