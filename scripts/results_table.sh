@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Train every mode at an equal budget on the built-in corpus, evaluate every model and two-stage
-# combination on protocols A and B, and write docs/results.md (+ JSON, plots).
+# combination on protocols A and B, and write docs/results-$SCALE.md (+ JSON, plots).
 # Resumable: a finished step (its summary.json / eval JSON exists) is skipped on re-run.
 #
 #   SCALE=cpu  (default) a reduced run that fits a 2-vCPU machine in about an hour; labelled as such.
