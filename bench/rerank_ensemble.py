@@ -29,7 +29,7 @@ from bench import add_pairs_args, chosen_pairs, onnx_reranker, provenance  # ben
 from coreply.artifacts import write_json_atomic
 from coreply.checkpoint import load_checkpoint
 from coreply.checkpoint_meta import CheckpointError
-from coreply.inference import ONNX_FILES, _session, export_onnx
+from coreply.inference import ONNX_FILES, export_onnx
 from coreply.ranking import zscore
 from evaluation.metrics import paired_bootstrap
 from evaluation.protocols import Retrieved, ranks_for, rerank, retrieve_and_rerank
@@ -68,7 +68,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name, cross in extra.items():
             export_onnx(bi, cross, Path(tmp) / name, "int8")  # type: ignore[arg-type]  # as a bundle serves it
-            backend.cross = _session(Path(tmp) / name / ONNX_FILES["cross"], 1, cuda=False)
+            backend.cross = backend.cross_session(Path(tmp) / name / ONNX_FILES["cross"])
             scores[name] = rerank(pairs, recalled, ranking, N_R)
             print(f"{name}: {1000 * scores[name].rerank_s / len(pairs):.0f} ms a context", flush=True)
 

@@ -1,6 +1,7 @@
 """Where the CPU reranker's time goes: a bundle's int8 ONNX cross-encoder on the pairs a request
 reranks (the first chitchat test contexts and their n_r recalled candidates), timed as the service runs
-it, then once more under ONNX Runtime's profiler, summed per operator type.
+it and, round by round beside it, with every fusion ONNX Runtime makes (how fast, how far apart), then
+once more under ONNX Runtime's profiler, summed per operator type.
 
     python bench/rerank_ops.py --bundle artifacts/bench-bundle --n-r 10
 """
@@ -51,18 +52,31 @@ def main() -> None:
     lengths = [len(row) for c, r in requests for row, _ in backend.cross_tokenizer.pair_rows(c, r)]
     print(f"{len(requests)} requests x {args.n_r} pairs, {np.mean(lengths):.1f} tokens a pair")
 
-    rounds = []
+    # The served session, and beside it, round by round, the graph with every fusion ONNX Runtime makes
+    # (performance.md §20: its SkipLayerNormalization is slower on the CPU than the ops it fuses).
+    path = bundle.root / "onnx" / ONNX_FILES["cross"]
+    sessions = {"served": backend.cross, "all fusions": _session(path, 1, cuda=False)}
+    rounds: dict[str, list[float]] = {name: [] for name in sessions}
+    scores = {}
     for _ in range(args.rounds):
-        start = time.perf_counter()
-        for c, r in requests:
-            backend.score_pairs(c, r)
-        rounds.append(1000 * (time.perf_counter() - start) / len(requests))
-    median = np.median(rounds)
-    print(f"rerank ms per request ({args.threads} threads): median {median:.1f}, min {min(rounds):.1f}")
+        for name, session in sessions.items():
+            backend.cross = session
+            start = time.perf_counter()
+            scores[name] = np.concatenate([backend.score_pairs(c, r) for c, r in requests])
+            rounds[name].append(1000 * (time.perf_counter() - start) / len(requests))
+    backend.cross = sessions["served"]
+    for name, ms in rounds.items():
+        print(f"rerank ms a request, {name} ({args.threads} threads): median {np.median(ms):.1f}", end="")
+        print(f", min {min(ms):.1f}")
+    split = np.cumsum([len(r) for _, r in requests])[:-1]
+    top = [[int(np.argmax(x)) for x in np.split(scores[name], split)] for name in sessions]
+    print(
+        f"their scores differ by at most {np.abs(scores['served'] - scores['all fusions']).max():.3f}; "
+        f"the same top-1 for {sum(a == b for a, b in zip(*top, strict=True))} of {len(requests)} requests"
+    )
 
     with tempfile.TemporaryDirectory() as tmp:
-        path = bundle.root / "onnx" / ONNX_FILES["cross"]
-        session = _session(path, 1, cuda=False, profile=Path(tmp) / "ort")  # as the backend: a pair a thread
+        session = backend.cross_session(path, profile=Path(tmp) / "ort")  # as the backend runs it
         for c, r in requests:
             run = lambda batch: backend._run(session, batch).numpy()  # noqa: E731
             score_by_tokens(backend.cross_tokenizer, c, r, backend.max_batch_tokens, run)

@@ -45,7 +45,6 @@ from coreply.inference import (
     INT8_VARIANTS,
     ONNX_FILES,
     TorchBackend,
-    _session,
     export_onnx,
     quantize_graph,
 )
@@ -114,7 +113,7 @@ def main() -> None:
                 path = fp32 if how is None else Path(tmp) / f"variant-{len(scores)}.onnx"
                 if how is not None:
                     quantize_graph(fp32, path, *how)
-                backend.cross = _session(path, 1, cuda=False)
+                backend.cross = backend.cross_session(path)
                 ranking.score_pairs = backend.score_pairs
             got = reranked[variant] = rerank(pairs, recalled, ranking, N_R)
             scores[variant] = np.full((len(pairs), N_R), np.nan)

@@ -260,9 +260,18 @@ def _below_error(record: logging.LogRecord) -> bool:
 # ------------------------------------------------------------------------------------------ runtime
 
 
-def _session(path: Path, threads: int, cuda: bool, profile: Path | None = None):
+# ONNX Runtime's fused SkipLayerNormalization runs about 5 times slower on the CPU than the Add and
+# LayerNormalization it replaces (a row of 107 x 384 tokens: 305 against 45 + 13 us; docs/performance.md
+# §20), so the reranker's graph runs them unfused there. The retrieval graphs keep the fusion: the
+# vectors a bundle stores were encoded with it, and a query must be encoded as the pool was.
+UNFUSED_CROSS = ("SkipLayerNormFusion",)
+
+
+def _session(
+    path: Path, threads: int, cuda: bool, profile: Path | None = None, unfused: tuple[str, ...] = ()
+):
     """An ONNX Runtime session as the service runs it; ``profile``: record per-node times to files with
-    this prefix (``bench/rerank_ops.py``)."""
+    this prefix (``bench/rerank_ops.py``); ``unfused``: graph fusions left out."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -280,7 +289,7 @@ def _session(path: Path, threads: int, cuda: bool, profile: Path | None = None):
     providers = ["CPUExecutionProvider"]
     if cuda and "CUDAExecutionProvider" in ort.get_available_providers():
         providers.insert(0, "CUDAExecutionProvider")
-    return ort.InferenceSession(str(path), options, providers=providers)
+    return ort.InferenceSession(str(path), options, providers=providers, disabled_optimizers=list(unfused))
 
 
 class OnnxBackend(_Knowledge):
@@ -311,20 +320,26 @@ class OnnxBackend(_Knowledge):
         self.dim = dim
         self.batch_size = batch_size
         self.bi_tokenizer, self.cross_tokenizer = bi_tokenizer, cross_tokenizer
+        self.threads, self.cuda = threads, cuda
         self.context = _session(onnx_dir / ONNX_FILES["context"], threads, cuda)
-        on_cpu = "CUDAExecutionProvider" not in self.context.get_providers()
+        self.on_cpu = "CUDAExecutionProvider" not in self.context.get_providers()
         # Responses and pairs come many rows at a time, spread over `threads` callers: each row on one
         # thread is 10-25 % faster than each on all of them, the same floats (docs/performance.md §19). A
         # context is most often a request's only row, where its operators gain from the threads.
-        many = 1 if on_cpu else threads
-        self.response = _session(onnx_dir / ONNX_FILES["response"], many, cuda)
+        self.response = _session(onnx_dir / ONNX_FILES["response"], 1 if self.on_cpu else threads, cuda)
         cross_path = onnx_dir / ONNX_FILES["cross"]
-        self.cross = _session(cross_path, many, cuda) if cross_tokenizer and cross_path.is_file() else None
+        self.cross = self.cross_session(cross_path) if cross_tokenizer and cross_path.is_file() else None
         self.has_cross = self.cross is not None
         self.poly_codes = bi_tokenizer.config.poly_codes
         self.map_rows: Any = None  # (function, rows) -> results in order; None: batches run whole
-        if on_cpu:
+        if self.on_cpu:
             self.map_rows = ThreadPoolExecutor(threads, "onnx-rows").map if threads > 1 else map
+
+    def cross_session(self, path: Path, profile: Path | None = None):
+        """A reranker graph's session as this backend runs pairs: on the CPU a pair a thread, unfused."""
+        if not self.on_cpu:
+            return _session(path, self.threads, self.cuda, profile)
+        return _session(path, 1, cuda=False, profile=profile, unfused=UNFUSED_CROSS)
 
     def _run(self, session, batch: Batch) -> torch.Tensor:
         """The graph's outputs for a right-padded ``batch``: [N, ...], each row run alone on the CPU."""

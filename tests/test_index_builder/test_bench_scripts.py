@@ -60,7 +60,8 @@ def test_rerank_ops_profiles_the_onnx_reranker(tiny_bundle):
         "rerank_ops.py", "--bundle", str(tiny_bundle), "--n-r", "3", "--requests", "4", "--rounds", "1"
     )
     table = run.stdout.split("| operator | ms per request | share |")[1]
-    assert "rerank ms per request" in run.stdout and "MatMul" in table
+    assert "rerank ms a request, served" in run.stdout and "rerank ms a request, all fusions" in run.stdout
+    assert "of 4 requests" in run.stdout and "MatMul" in table and "SkipLayerNormalization" not in table
 
 
 def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):

@@ -23,6 +23,7 @@ from coreply.bundle import (
     make_backend,
     search_on,
 )
+from coreply.inference import ONNX_FILES, _session
 from coreply.text import normalize
 from index_builder.build import add_responses, build_bundle
 
@@ -378,6 +379,28 @@ def test_rows_run_one_thread_each_and_the_threads_change_no_float(tiny_bundle, t
     np.testing.assert_array_equal(one.encode_responses(pool), two.encode_responses(pool))
     flat_c = [c for c in contexts[:3] for _ in pool]
     np.testing.assert_array_equal(one.score_pairs(flat_c, pool * 3), two.score_pairs(flat_c, pool * 3))
+
+
+def test_the_cpu_reranker_runs_without_the_slow_fused_layer_norm(tiny_bundle, toy_pairs, tmp_path):
+    """ONNX Runtime fuses each residual Add and LayerNormalization into a SkipLayerNormalization that is
+    slower on the CPU than the two: the reranker's session leaves that fusion out (its operators, from
+    ONNX Runtime's own profile), the retrieval graphs keep it, and the reranker still ranks as PyTorch
+    does (``test_onnx_matches_torch``)."""
+    bundle = load_bundle(tiny_bundle)
+    backend = make_backend(bundle, "onnx", threads=1)
+    path = bundle.root / "onnx" / ONNX_FILES["cross"]
+
+    def operators(session, feeds) -> set[str]:
+        session.run(None, feeds)
+        events = json.loads(Path(session.end_profiling()).read_text())
+        return {e["args"]["op_name"] for e in events if e.get("cat") == "Node" and "op_name" in e["args"]}
+
+    batch = backend.cross_tokenizer.pairs([toy_pairs[0].context], [toy_pairs[0].response])
+    feeds = {i.name: getattr(batch, i.name).numpy() for i in backend.cross.get_inputs()}
+    fused = _session(path, 1, cuda=False, profile=tmp_path / "fused")
+    assert "SkipLayerNormalization" in operators(fused, feeds)
+    served = operators(backend.cross_session(path, profile=tmp_path / "served"), feeds)
+    assert "SkipLayerNormalization" not in served and "LayerNormalization" in served
 
 
 def test_torch_bf16_casts_the_models_and_keeps_the_fp32_ranking(tiny_bundle, toy_pairs):
