@@ -261,9 +261,9 @@ def _below_error(record: logging.LogRecord) -> bool:
 
 
 # ONNX Runtime's fused SkipLayerNormalization runs about 5 times slower on the CPU than the Add and
-# LayerNormalization it replaces (a row of 107 x 384 tokens: 305 against 45 + 13 us; docs/performance.md
-# §20), so the reranker's graph runs them unfused there. The retrieval graphs keep the fusion: the
-# vectors a bundle stores were encoded with it, and a query must be encoded as the pool was.
+# LayerNormalization it replaces (on a 107-token row of 384: 305 us, LayerNormalization alone 45;
+# docs/performance.md §20), so the reranker's graph runs them unfused there. The retrieval graphs keep
+# the fusion: the vectors a bundle stores were encoded with it, and a query must be encoded as its pool.
 UNFUSED_CROSS = ("SkipLayerNormFusion",)
 
 

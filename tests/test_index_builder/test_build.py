@@ -384,8 +384,7 @@ def test_rows_run_one_thread_each_and_the_threads_change_no_float(tiny_bundle, t
 def test_the_cpu_reranker_runs_without_the_slow_fused_layer_norm(tiny_bundle, toy_pairs, tmp_path):
     """ONNX Runtime fuses each residual Add and LayerNormalization into a SkipLayerNormalization that is
     slower on the CPU than the two: the reranker's session leaves that fusion out (its operators, from
-    ONNX Runtime's own profile), the retrieval graphs keep it, and the reranker still ranks as PyTorch
-    does (``test_onnx_matches_torch``)."""
+    ONNX Runtime's own profile), and it still ranks as PyTorch does (``test_onnx_matches_torch``)."""
     bundle = load_bundle(tiny_bundle)
     backend = make_backend(bundle, "onnx", threads=1)
     path = bundle.root / "onnx" / ONNX_FILES["cross"]
