@@ -114,7 +114,7 @@ class BM25:
             "docs": self.docs,
             "length": self.length,
             "stopwords": sorted(self.stopwords),
-            "df": self.df,
+            "df": dict(sorted(self.df.items())),  # not set order: the same bytes from any process
         }
 
     @classmethod

@@ -1,6 +1,11 @@
 """The lexical stage's BM25 (coreply/lexical.py): the scores bm25s gives, statistics that add up and
 refuse nonsense, and a pipeline that reorders its candidates by them."""
 
+import json
+import os
+import subprocess
+import sys
+
 import bm25s
 import numpy as np
 import pytest
@@ -55,6 +60,27 @@ def test_the_pool_index_scores_candidates_by_id_bit_for_bit_as_their_texts_do():
 def test_adding_responses_counts_them_as_fitting_all_of_them_would():
     assert BM25.fit(POOL[:3], STOPWORDS_EN).add(POOL[3:]) == BM25.fit(POOL, STOPWORDS_EN)
     assert BM25.from_json(BM25.fit(POOL, STOPWORDS_EN).to_json()) == BM25.fit(POOL, STOPWORDS_EN)
+
+
+def test_one_pool_writes_the_same_statistics_whatever_the_processs_string_hashing():
+    """A bundle's version is the hash of its files, so two builds of one pool must write the same bytes:
+    the terms' order may not follow set iteration, which changes with each process's hash seed."""
+    code = (
+        "import json, sys; from coreply.lexical import BM25; "
+        "print(json.dumps(BM25.fit(json.loads(sys.argv[1]), json.loads(sys.argv[2])).to_json()))"
+    )
+    args = [json.dumps(POOL), json.dumps(sorted(STOPWORDS_EN))]
+    written = {
+        subprocess.run(
+            [sys.executable, "-c", code, *args],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for seed in ("1", "2", "3")
+    }
+    assert len(written) == 1
 
 
 @pytest.mark.parametrize(
