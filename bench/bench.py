@@ -185,7 +185,8 @@ async def load(
             start = time.perf_counter()
             response = await client.post(url + "/respond", json=body)
             latencies.append(1000 * (time.perf_counter() - start))
-            response.raise_for_status()
+            if response.is_error:  # e.g. --fusion rerank on a bundle without a reranker
+                raise SystemExit(f"bench: POST /respond answered {response.status_code}: {response.text}")
             data = response.json()
             stages.append(data["timings_ms"])
             results[i] = data["responses"][0]["id"]
@@ -293,10 +294,15 @@ def main() -> None:
     contexts = [list(pair.context) for pair in pairs]
     golds = [normalize(pair.response) for pair in pairs]
     warm = contexts[:5]
-    peer = None if args.no_peer else Peer(args.bundle, args.peer_cross)
-    from coreply.bundle import read_manifest, read_responses
+    from coreply.bundle import BundleError, read_manifest, read_responses
 
-    read_manifest(Path(args.bundle))
+    try:
+        manifest = read_manifest(Path(args.bundle))
+    except BundleError as exc:
+        raise SystemExit(f"--bundle: {exc}") from None
+    if args.fusion == "rerank" and manifest["models"].get("cross") is None:
+        raise SystemExit("--fusion rerank: this bundle has no reranker; give --fusion retrieval or default")
+    peer = None if args.no_peer else Peer(args.bundle, args.peer_cross)
     keys = [normalize(t) for t in read_responses(Path(args.bundle) / "responses.jsonl")[0]]
     server = Server(args.bundle, args.threads)
     rows = []

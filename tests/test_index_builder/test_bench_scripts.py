@@ -67,7 +67,14 @@ def test_rerank_ops_profiles_the_onnx_reranker(tiny_bundle):
 def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):
     other = tmp_path / "other.json"  # a restatement_guard run on another split: nothing to pair with
     other.write_text(json.dumps({"top1_cases": {}, "meta": {"split": "valid", "pairs": 2000}}))
+    retrieval_only = tmp_path / "retrieval-only"  # the tiny bundle as if built without a reranker
+    shutil.copytree(tiny_bundle, retrieval_only)
+    manifest = json.loads((retrieval_only / "manifest.json").read_text())
+    manifest["models"]["cross"] = None
+    (retrieval_only / "manifest.json").write_text(json.dumps(manifest))
     for script, args, flag in (
+        ("bench.py", ["--bundle", str(tmp_path), "--out", str(other)], "--bundle: "),
+        ("bench.py", ["--bundle", str(retrieval_only), "--out", str(other)], "--fusion rerank: "),
         ("serve_profile.py", ["--bundle", str(tmp_path)], "--bundle: "),
         ("serve_profile.py", ["--bundle", str(tiny_bundle), "--device", "gpu"], "--device: "),
         ("rerank_ops.py", ["--bundle", str(tiny_bundle), "--n-r", "0"], "--n-r"),
