@@ -22,7 +22,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from pool_projection import Split, served_pool, top1_hits  # bench/pool_projection.py, beside this script
+from pool_projection import (  # bench/pool_projection.py, beside this script
+    Split,
+    against,
+    served_pool,
+    spans,
+    top1_hits,
+)
 
 from bench import (  # bench/bench.py: this script's directory is on sys.path
     provenance,
@@ -31,7 +37,6 @@ from bench import (  # bench/bench.py: this script's directory is on sys.path
 )
 from coreply.artifacts import write_json_atomic
 from coreply.corpus import load_chitchat
-from evaluation.metrics import paired_bootstrap
 
 
 def simplex(views: int, steps: int) -> list[tuple[float, ...]]:
@@ -83,15 +88,13 @@ def main() -> None:
     print(f"chose {best} of {len(chosen)} mixes, {time.perf_counter() - start:.0f} s", flush=True)
     result = provenance() | {"bundle": args.bundle, "views": args.views, "mixes": len(chosen),
                              "chosen": best, "rows": []}  # fmt: skip
-    parts = {"select": (valid, 0, args.select), "valid": (valid, args.select, len(valid[0].q)),
-             "test": (test, 0, len(test[0].q))}  # fmt: skip
+    parts = spans(valid, test, args.select, (len(valid[0].q), len(test[0].q)))
     base = {name: hits(splits, served, pool, bias, lo, hi) for name, (splits, lo, hi) in parts.items()}
     for mix in dict.fromkeys([served, best]):
         row = {"mix": mix}
         for name, (splits, lo, hi) in parts.items():
             now = base[name] if mix == served else hits(splits, mix, pool, bias, lo, hi)
-            row[name] = {"pairs": len(now), "hits@1": round(float(100 * now.mean()), 2),
-                         "p_vs_served": round(paired_bootstrap(now, base[name]), 4)}  # fmt: skip
+            row[name] = against(now, base[name], "served")
         print(row, flush=True)
         result["rows"].append(row)
     result["top_mixes"] = [{"mix": m, "select_hits@1": round(100 * float(v), 2)}

@@ -21,6 +21,7 @@ import argparse
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -91,6 +92,18 @@ def top1_hits(split: Split, score: Callable[[torch.Tensor], torch.Tensor], lo: i
     return np.concatenate(out).astype(float)
 
 
+def spans(valid: Any, test: Any, select: int, sizes: tuple[int, int]) -> dict[str, tuple[Any, int, int]]:
+    """The spans every script here reports, as (split, lo, hi): validation ``[0:select)``, where its
+    choice is made, validation ``[select:]`` and the test pairs; ``sizes``: the two splits' pairs."""
+    return {"select": (valid, 0, select), "valid": (valid, select, sizes[0]), "test": (test, 0, sizes[1])}
+
+
+def against(now: np.ndarray, base: np.ndarray, name: str) -> dict[str, Any]:
+    """A span's hits@1 (per-pair hits ``now``) and its one-sided paired bootstrap p against ``base``."""
+    p = paired_bootstrap(now, base)
+    return {"pairs": len(now), "hits@1": round(float(100 * now.mean()), 2), f"p_vs_{name}": round(p, 4)}
+
+
 class Scorer:
     """Served scores of mapped contexts against the pool: ``scale * cos(q', r) - alpha * rho(r)``."""
 
@@ -131,9 +144,7 @@ def main() -> None:
 
     def measure(epoch: int) -> dict:
         row = {"epoch": epoch, "delta_norm": round(float(scorer.delta.detach().norm()), 3)}
-        parts = {"select": (valid, 0, args.select), "valid": (valid, args.select, len(valid.q)),
-                 "test": (test, 0, len(test.q))}  # fmt: skip
-        for name, (split, lo, hi) in parts.items():
+        for name, (split, lo, hi) in spans(valid, test, args.select, (len(valid.q), len(test.q))).items():
             row[name] = top1_hits(split, lambda rows, split=split: scorer(split.q[rows]), lo, hi)
         return row
 
@@ -157,8 +168,7 @@ def main() -> None:
     for row in rows:
         out = {"epoch": row["epoch"], "delta_norm": row["delta_norm"]}
         for name in ("select", "valid", "test"):
-            out[name] = {"pairs": len(row[name]), "hits@1": round(float(100 * row[name].mean()), 2),
-                         "p_vs_step_0": round(paired_bootstrap(row[name], rows[0][name]), 4)}  # fmt: skip
+            out[name] = against(row[name], rows[0][name], "step_0")
         print(out, flush=True)
         result["epochs"].append(out)
     write_json_atomic(args.out, result)

@@ -27,7 +27,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from pool_projection import Split, served_pool, top1_hits  # bench/pool_projection.py, beside this script
+from pool_projection import (  # bench/pool_projection.py, beside this script
+    Split,
+    against,
+    served_pool,
+    spans,
+    top1_hits,
+)
 
 from bench import (  # bench/bench.py: this script's directory is on sys.path
     provenance,
@@ -36,7 +42,6 @@ from bench import (  # bench/bench.py: this script's directory is on sys.path
 )
 from coreply.artifacts import write_json_atomic
 from coreply.corpus import load_chitchat
-from evaluation.metrics import paired_bootstrap
 
 
 class Memory:
@@ -111,8 +116,7 @@ def main() -> None:
         return top1_hits(split, memory.score(split, *mix, args.self_vote), lo, hi)
 
     served = (args.k[0], args.tau[0], 0.0)
-    parts = {"select": (valid, 0, args.select), "valid": (valid, args.select, len(valid.q)),
-             "test": (test, 0, len(test.q))}  # fmt: skip
+    parts = spans(valid, test, args.select, (len(valid.q), len(test.q)))
     base = {name: hits(split, served, lo, hi) for name, (split, lo, hi) in parts.items()}
     chosen = {served: base["select"].mean()}
     for mix in itertools.product(args.k, args.tau, args.lam):
@@ -127,8 +131,7 @@ def main() -> None:
         row: dict = {"k": mix[0], "tau": mix[1], "lam": mix[2]}
         for name, (split, lo, hi) in parts.items():
             now = base[name] if mix == served else hits(split, mix, lo, hi)
-            row[name] = {"pairs": len(now), "hits@1": round(float(100 * now.mean()), 2),
-                         "p_vs_served": round(paired_bootstrap(now, base[name]), 4)}  # fmt: skip
+            row[name] = against(now, base[name], "served")
         print(row, flush=True)
         result["rows"].append(row)
     result["grid"] = [{"k": m[0], "tau": m[1], "lam": m[2], "select_hits@1": round(100 * float(v), 2)}
