@@ -491,12 +491,16 @@ class IndexRetriever:
     last call's seconds per stage (the service reports them). With a Poly-encoder backend the hits carry
     its context codes. :meth:`vectors` reads candidates' response vectors back from the index (the poly
     stage's cache; the restatement guard compares them with :meth:`encode_responses` of the context
-    turns)."""
+    turns). ``texts``: the pool, row i = id i, given where the index stores its vectors whole, so that
+    :meth:`encode_responses` reads a pool text's vector back instead of encoding it again."""
 
-    def __init__(self, backend: Any, index: Any, prior: Prior | None = None) -> None:
+    def __init__(
+        self, backend: Any, index: Any, prior: Prior | None = None, texts: Sequence[str] = ()
+    ) -> None:
         self.backend, self.index = backend, index
         self.prior = prior if prior is not None and prior.alpha else None
         self.timings: dict[str, float] = {}
+        self._stored = {text: i for i, text in enumerate(texts)}
 
     def __call__(self, contexts: Sequence[Sequence[str]], k: int) -> Hits:
         start = time.perf_counter()
@@ -522,8 +526,21 @@ class IndexRetriever:
         return self.index.reconstruct_batch(np.asarray(ids, dtype="int64"))
 
     def encode_responses(self, texts: Sequence[str]) -> np.ndarray:
-        """[n] texts -> [n, D] by the retriever's response tower."""
-        return self.backend.encode_responses(texts)
+        """[n] texts -> [n, D] by the retriever's response tower. A text the pool holds verbatim (most
+        context turns: a conversation's earlier replies are pool responses) comes back as the vector the
+        index stores for it, which the same graph wrote from the same text at build time: the same floats
+        without running the encoder (docs/performance.md §23)."""
+        at = [self._stored.get(text, -1) for text in texts]
+        new = [i for i, j in enumerate(at) if j < 0]
+        if len(new) == len(texts):
+            return self.backend.encode_responses(texts)
+        known = [i for i, j in enumerate(at) if j >= 0]
+        stored = self.vectors(np.array([at[i] for i in known]))  # [k, D]
+        out = np.empty((len(texts), stored.shape[1]), dtype="float32")  # [n, D]
+        out[known] = stored
+        if new:
+            out[new] = self.backend.encode_responses([texts[i] for i in new])
+        return out
 
 
 def _readable(index: Any, root: Path) -> None:
@@ -571,7 +588,9 @@ def pipeline(bundle: Bundle, backend: Any, index: Any = None) -> Pipeline:
     index = bundle.index if index is None else index
     if guard or (backend.poly_codes and not backend.has_cross):
         _readable(index, bundle.root)
-    retrieve = IndexRetriever(backend, index, bundle.prior)
+    # an exact index holds the vectors as encoded; an approximate one may hold quantised ones
+    whole = isinstance(index, TorchExactIndex) or type(index).__name__.startswith("IndexFlat")
+    retrieve = IndexRetriever(backend, index, bundle.prior, bundle.texts if whole else ())
     score = backend.score_pairs if backend.has_cross else None
     return Pipeline(
         retrieve,

@@ -21,6 +21,7 @@ from coreply.bundle import (
     finish,
     load_bundle,
     make_backend,
+    pipeline,
     search_on,
 )
 from coreply.inference import ONNX_FILES, _session
@@ -379,6 +380,26 @@ def test_rows_run_one_thread_each_and_the_threads_change_no_float(tiny_bundle, t
     np.testing.assert_array_equal(one.encode_responses(pool), two.encode_responses(pool))
     flat_c = [c for c in contexts[:3] for _ in pool]
     np.testing.assert_array_equal(one.score_pairs(flat_c, pool * 3), two.score_pairs(flat_c, pool * 3))
+
+
+@pytest.mark.parametrize("served", [False, True], ids=["faiss-flat", "torch-exact"])
+def test_the_guard_reads_pool_turns_back_from_an_exact_index_with_the_floats_the_encoder_gives(
+    tiny_bundle, monkeypatch, served
+):
+    """Context turns the pool holds verbatim come back as the vectors the index stores, which the same
+    graph wrote at build time: what encoding them now gives, bit for bit; only the other turns run the
+    response graph."""
+    bundle = search_on(load_bundle(tiny_bundle), "cpu") if served else load_bundle(tiny_bundle)
+    backend = make_backend(bundle, "onnx", threads=2)
+    retrieve = pipeline(bundle, backend).retrieve
+    turns = [bundle.texts[3], "a turn the pool does not hold", bundle.texts[0], bundle.texts[3]]
+    want = backend.encode_responses(turns)
+    encode, asked = backend.encode_responses, []
+    monkeypatch.setattr(backend, "encode_responses", lambda texts: asked.append(texts) or encode(texts))
+    np.testing.assert_array_equal(retrieve.encode_responses(turns), want)
+    assert asked == [["a turn the pool does not hold"]]
+    np.testing.assert_array_equal(retrieve.encode_responses(turns[:1]), want[:1])
+    assert len(asked) == 1
 
 
 def test_the_cpu_reranker_runs_without_the_slow_fused_layer_norm(tiny_bundle, toy_pairs, tmp_path):
