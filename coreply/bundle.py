@@ -530,16 +530,16 @@ class IndexRetriever:
         context turns: a conversation's earlier replies are pool responses) comes back as the vector the
         index stores for it, which the same graph wrote from the same text at build time: the same floats
         without running the encoder (docs/performance.md §23)."""
-        at = [self._stored.get(text, -1) for text in texts]
-        new = [i for i, j in enumerate(at) if j < 0]
-        if len(new) == len(texts):
+        at = np.array([self._stored.get(text, -1) for text in texts], dtype="int64")  # [n], -1: not held
+        known = at >= 0
+        if not known.any():
             return self.backend.encode_responses(texts)
-        known = [i for i, j in enumerate(at) if j >= 0]
-        stored = self.vectors(np.array([at[i] for i in known]))  # [k, D]
+        stored = self.vectors(at[known])  # [k, D]
         out = np.empty((len(texts), stored.shape[1]), dtype="float32")  # [n, D]
         out[known] = stored
-        if new:
-            out[new] = self.backend.encode_responses([texts[i] for i in new])
+        if not known.all():
+            new = [text for text, held in zip(texts, known, strict=True) if not held]
+            out[~known] = self.backend.encode_responses(new)
         return out
 
 
