@@ -500,7 +500,8 @@ class IndexRetriever:
         self.backend, self.index = backend, index
         self.prior = prior if prior is not None and prior.alpha else None
         self.timings: dict[str, float] = {}
-        self._stored = {text: i for i, text in enumerate(texts)}
+        self._texts = texts
+        self._stored: dict[str, int] | None = None  # text -> pool id, made on first use
 
     def __call__(self, contexts: Sequence[Sequence[str]], k: int) -> Hits:
         start = time.perf_counter()
@@ -530,6 +531,8 @@ class IndexRetriever:
         context turns: a conversation's earlier replies are pool responses) comes back as the vector the
         index stores for it, which the same graph wrote from the same text at build time: the same floats
         without running the encoder (docs/performance.md §23)."""
+        if self._stored is None:
+            self._stored = {text: i for i, text in enumerate(self._texts)}
         at = np.array([self._stored.get(text, -1) for text in texts], dtype="int64")  # [n], -1: not held
         known = at >= 0
         if not known.any():
@@ -588,9 +591,10 @@ def pipeline(bundle: Bundle, backend: Any, index: Any = None) -> Pipeline:
     index = bundle.index if index is None else index
     if guard or (backend.poly_codes and not backend.has_cross):
         _readable(index, bundle.root)
-    # an exact index holds the vectors as encoded; an approximate one may hold quantised ones
-    whole = isinstance(index, TorchExactIndex) or type(index).__name__.startswith("IndexFlat")
-    retrieve = IndexRetriever(backend, index, bundle.prior, bundle.texts if whole else ())
+    # an exact index (:func:`searcher`'s test) holds the vectors as encoded, an approximate one may not;
+    # a bundle still being built has no index entry yet
+    exact = bundle.manifest.get("index", {}).get("factory") == "Flat"
+    retrieve = IndexRetriever(backend, index, bundle.prior, bundle.texts if exact else ())
     score = backend.score_pairs if backend.has_cross else None
     return Pipeline(
         retrieve,
