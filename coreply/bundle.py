@@ -30,9 +30,10 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from itertools import pairwise
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -152,6 +153,12 @@ class Bundle:
 
     def model_dir(self, kind: str) -> Path:
         return self.root / kind
+
+    @cached_property
+    def rows(self) -> dict[str, int]:
+        """Pool text -> id, made on first use and shared by what looks texts up in the pool: the
+        reranker's tokenizer (stored ids) and :class:`IndexRetriever` (stored vectors)."""
+        return {text: i for i, text in enumerate(self.texts)}
 
 
 def apply_search_params(index, params: str) -> None:
@@ -475,7 +482,7 @@ def make_backend(bundle: Bundle, backend: str = "auto", threads: int = 1, device
             cuda=device.startswith("cuda"),
         )
     if bundle.tokens is not None and chosen.cross_tokenizer is not None:
-        chosen.cross_tokenizer.attach(bundle.texts, *bundle.tokens)
+        chosen.cross_tokenizer.attach(bundle.rows, *bundle.tokens)
     if chosen.reads_knowledge and bundle.manifest["models"].get("knowledge"):
         from coreply.knowledge import KnowledgeSelector
 
@@ -491,17 +498,16 @@ class IndexRetriever:
     last call's seconds per stage (the service reports them). With a Poly-encoder backend the hits carry
     its context codes. :meth:`vectors` reads candidates' response vectors back from the index (the poly
     stage's cache; the restatement guard compares them with :meth:`encode_responses` of the context
-    turns). ``texts``: the pool, row i = id i, given where the index stores its vectors whole, so that
-    :meth:`encode_responses` reads a pool text's vector back instead of encoding it again."""
+    turns). ``rows``: pool text -> id (:attr:`Bundle.rows`), given where the index stores its vectors
+    whole, so that :meth:`encode_responses` reads a pool text's vector back instead of encoding it again."""
 
     def __init__(
-        self, backend: Any, index: Any, prior: Prior | None = None, texts: Sequence[str] = ()
+        self, backend: Any, index: Any, prior: Prior | None = None, rows: Mapping[str, int] | None = None
     ) -> None:
         self.backend, self.index = backend, index
         self.prior = prior if prior is not None and prior.alpha else None
         self.timings: dict[str, float] = {}
-        self._texts = texts
-        self._stored: dict[str, int] | None = None  # text -> pool id, made on first use
+        self.rows = rows or {}
 
     def __call__(self, contexts: Sequence[Sequence[str]], k: int) -> Hits:
         start = time.perf_counter()
@@ -531,9 +537,7 @@ class IndexRetriever:
         context turns: a conversation's earlier replies are pool responses) comes back as the vector the
         index stores for it, which the same graph wrote from the same text at build time: the same floats
         without running the encoder (docs/performance.md §23)."""
-        if self._stored is None:
-            self._stored = {text: i for i, text in enumerate(self._texts)}
-        at = np.array([self._stored.get(text, -1) for text in texts], dtype="int64")  # [n], -1: not held
+        at = np.array([self.rows.get(text, -1) for text in texts], dtype="int64")  # [n], -1: not held
         known = at >= 0
         if not known.any():
             return self.backend.encode_responses(texts)
@@ -594,7 +598,7 @@ def pipeline(bundle: Bundle, backend: Any, index: Any = None) -> Pipeline:
     # an exact index (:func:`searcher`'s test) holds the vectors as encoded, an approximate one may not;
     # a bundle still being built has no index entry yet
     exact = bundle.manifest.get("index", {}).get("factory") == "Flat"
-    retrieve = IndexRetriever(backend, index, bundle.prior, bundle.texts if exact else ())
+    retrieve = IndexRetriever(backend, index, bundle.prior, bundle.rows if exact else None)
     score = backend.score_pairs if backend.has_cross else None
     return Pipeline(
         retrieve,

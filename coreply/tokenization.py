@@ -13,7 +13,7 @@ Two layers, so that text is tokenised once and inputs are assembled from token i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -113,7 +113,7 @@ class DialogueTokenizer:
         self.sep = tokenizer.sep_token_id
         self.pad = tokenizer.pad_token_id
         self._cache: dict[str, list[int]] = {}
-        self._stored: dict[str, int] = {}  # text -> row of the attached ids
+        self._stored: Mapping[str, int] = {}  # text -> row of the attached ids
         self._ids, self._offsets = np.zeros(0, dtype=np.int32), np.zeros(1, dtype=np.int64)
 
     # ------------------------------------------------------------------------------ text -> pieces
@@ -143,12 +143,12 @@ class DialogueTokenizer:
     def cached(self) -> int:
         return len(self._cache)
 
-    def attach(self, texts: Sequence[str], ids: np.ndarray, offsets: np.ndarray) -> None:
-        """Look ``texts`` up in stored ids instead of tokenising them: text i's pieces are
-        ``ids[offsets[i]:offsets[i + 1]]`` (as :func:`flat_pieces` writes them)."""
-        if len(offsets) != len(texts) + 1 or offsets[-1] != len(ids):
-            raise ValueError(f"stored token ids do not fit {len(texts)} texts")
-        self._stored = {t: i for i, t in enumerate(texts)}
+    def attach(self, rows: Mapping[str, int], ids: np.ndarray, offsets: np.ndarray) -> None:
+        """Look the texts of ``rows`` (text -> row) up in stored ids instead of tokenising them: row i's
+        pieces are ``ids[offsets[i]:offsets[i + 1]]`` (as :func:`flat_pieces` writes them)."""
+        if offsets[-1] != len(ids) or max(rows.values(), default=-1) >= len(offsets) - 1:
+            raise ValueError(f"stored token ids do not fit {len(rows)} texts")
+        self._stored = rows
         self._ids, self._offsets = ids, offsets
 
     def _piece(self, text: str, fresh: dict[str, list[int]]) -> list[int]:

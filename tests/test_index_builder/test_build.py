@@ -388,7 +388,7 @@ def test_the_guard_reads_pool_turns_back_from_an_exact_index_with_the_floats_the
 ):
     """Context turns the pool holds verbatim come back as the vectors the index stores, which the same
     graph wrote at build time: what encoding them now gives, bit for bit; only the other turns run the
-    response graph."""
+    response graph. The retriever and the reranker's tokenizer look texts up in one map of the pool."""
     bundle = search_on(load_bundle(tiny_bundle), "cpu") if served else load_bundle(tiny_bundle)
     backend = make_backend(bundle, "onnx", threads=2)
     retrieve = pipeline(bundle, backend).retrieve
@@ -400,6 +400,7 @@ def test_the_guard_reads_pool_turns_back_from_an_exact_index_with_the_floats_the
     assert asked == [["a turn the pool does not hold"]]
     np.testing.assert_array_equal(retrieve.encode_responses(turns[:1]), want[:1])
     assert len(asked) == 1
+    assert retrieve.rows is bundle.rows is backend.cross_tokenizer._stored  # one map of the pool's texts
 
 
 def test_the_cpu_reranker_runs_without_the_slow_fused_layer_norm(tiny_bundle, toy_pairs, tmp_path):
