@@ -132,6 +132,11 @@ def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):
         ("context_views.py", ["--grid", "0", "--out", str(other)], "--grid: "),
         ("reply_memory.py", ["--bundle", str(tmp_path), "--out", str(other)], "--bundle: "),
         ("reply_memory.py", ["--tau", "0.05", "0", "--out", str(other)], "--tau: "),
+        ("query_feedback.py", ["--bundle", str(tmp_path), "--out", str(other)], "--bundle: "),
+        ("query_feedback.py", ["--beta", "-0.2", "0", "--out", str(other)], "--beta: "),
+        ("query_feedback.py", ["--k", "0", "--out", str(other)], "--k: "),
+        ("query_feedback_served.py", ["--k", "101"], "--k: "),
+        ("query_feedback_served.py", ["--beta", "0"], "--beta: "),
         (
             "reply_memory.py",
             ["--bundle", str(tiny_bundle), "--train", "5", "--k", "8", "--out", str(other)],
