@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from pool_projection import (  # bench/pool_projection.py, beside this script
     Split,
-    against,
+    choose,
     served_pool,
     spans,
     top1_hits,
@@ -79,25 +79,16 @@ def main() -> None:
     print(f"encoded {len(args.views)} views, {time.perf_counter() - start:.0f} s", flush=True)
     pool, bias = served_pool(bot)  # [N, D], [N]
 
-    served = (1.0,) + (0.0,) * (len(args.views) - 1)
-    chosen = {
-        mix: hits(valid, mix, pool, bias, 0, args.select).mean()
-        for mix in simplex(len(args.views), args.grid)
-    }
-    best = max(chosen, key=lambda mix: (chosen[mix], mix == served))  # the served view wins a tie
+    parts = spans(valid, test, args.select, (len(valid[0].q), len(test[0].q)))
+    best, rows, chosen = choose(
+        lambda splits, mix, lo, hi: hits(splits, mix, pool, bias, lo, hi), parts,
+        (1.0,) + (0.0,) * (len(args.views) - 1), simplex(len(args.views), args.grid),
+        lambda mix: {"mix": mix},
+    )  # fmt: skip
     print(f"chose {best} of {len(chosen)} mixes, {time.perf_counter() - start:.0f} s", flush=True)
     result = provenance() | {"bundle": args.bundle, "views": args.views, "mixes": len(chosen),
-                             "chosen": best, "rows": []}  # fmt: skip
-    parts = spans(valid, test, args.select, (len(valid[0].q), len(test[0].q)))
-    base = {name: hits(splits, served, pool, bias, lo, hi) for name, (splits, lo, hi) in parts.items()}
-    for mix in dict.fromkeys([served, best]):
-        row = {"mix": mix}
-        for name, (splits, lo, hi) in parts.items():
-            now = base[name] if mix == served else hits(splits, mix, pool, bias, lo, hi)
-            row[name] = against(now, base[name], "served")
-        print(row, flush=True)
-        result["rows"].append(row)
-    result["top_mixes"] = [{"mix": m, "select_hits@1": round(100 * float(v), 2)}
+                             "chosen": best, "rows": rows}  # fmt: skip
+    result["top_mixes"] = [{"mix": m, "select_hits@1": round(100 * v, 2)}
                            for m, v in sorted(chosen.items(), key=lambda kv: -kv[1])[:10]]  # fmt: skip
     write_json_atomic(args.out, result)
     print(f"wrote {args.out}")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +102,38 @@ def against(now: np.ndarray, base: np.ndarray, name: str) -> dict[str, Any]:
     """A span's hits@1 (per-pair hits ``now``) and its one-sided paired bootstrap p against ``base``."""
     p = paired_bootstrap(now, base)
     return {"pairs": len(now), "hits@1": round(float(100 * now.mean()), 2), f"p_vs_{name}": round(p, 4)}
+
+
+def choose(
+    hits: Callable[[Any, Any, int, int], np.ndarray],
+    parts: dict[str, tuple[Any, int, int]],
+    served: Any,
+    grid: Iterable[Any],
+    describe: Callable[[Any], dict[str, Any]],
+) -> tuple[Any, list[dict[str, Any]], dict[Any, float]]:
+    """A setting chosen on the ``select`` span of :func:`spans` and reported beside the served one.
+
+    ``hits(split, mix, lo, hi)`` gives per-pair hits@1 of a setting ``mix`` (hashable); every mix of
+    ``grid`` is scored on ``select`` and the best kept, the served one winning a tie. Returns it, one
+    row per setting (served, then the chosen one if it differs: ``describe(mix)`` and every span's
+    hits@1 with its paired p against the served), and every mix's hits@1 on ``select`` (a fraction)."""
+    base = {name: hits(split, served, lo, hi) for name, (split, lo, hi) in parts.items()}
+    split, lo, hi = parts["select"]
+    chosen = {served: float(base["select"].mean())}
+    for mix in grid:
+        if mix not in chosen:
+            chosen[mix] = float(hits(split, mix, lo, hi).mean())
+            print(f"{describe(mix)}: select {100 * chosen[mix]:.2f}", flush=True)
+    best = max(chosen, key=lambda mix: (chosen[mix], mix == served))
+    rows = []
+    for mix in dict.fromkeys([served, best]):
+        row = describe(mix)
+        for name, (split, lo, hi) in parts.items():
+            now = base[name] if mix == served else hits(split, mix, lo, hi)
+            row[name] = against(now, base[name], "served")
+        print(row, flush=True)
+        rows.append(row)
+    return best, rows, chosen
 
 
 class Scorer:

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from pool_projection import (  # bench/pool_projection.py, beside this script
     Split,
-    against,
+    choose,
     served_pool,
     spans,
     top1_hits,
@@ -115,26 +115,16 @@ def main() -> None:
     def hits(split: Split, mix: tuple[int, float, float], lo: int, hi: int) -> np.ndarray:
         return top1_hits(split, memory.score(split, *mix, args.self_vote), lo, hi)
 
-    served = (args.k[0], args.tau[0], 0.0)
     parts = spans(valid, test, args.select, (len(valid.q), len(test.q)))
-    base = {name: hits(split, served, lo, hi) for name, (split, lo, hi) in parts.items()}
-    chosen = {served: base["select"].mean()}
-    for mix in itertools.product(args.k, args.tau, args.lam):
-        chosen[mix] = hits(valid, mix, 0, args.select).mean()
-        print(f"k {mix[0]}, tau {mix[1]}, lam {mix[2]}: select {100 * chosen[mix]:.2f}", flush=True)
-    best = max(chosen, key=lambda mix: (chosen[mix], mix == served))  # the served scores win a tie
+    best, rows, chosen = choose(
+        hits, parts, (args.k[0], args.tau[0], 0.0), itertools.product(args.k, args.tau, args.lam),
+        lambda mix: {"k": mix[0], "tau": mix[1], "lam": mix[2]},
+    )  # fmt: skip
     print(f"chose {best}, {time.perf_counter() - start:.0f} s", flush=True)
     result = provenance() | {"bundle": args.bundle, "memory_pairs": len(memory.q),
-                             "self_vote": args.self_vote, "rows": [],
+                             "self_vote": args.self_vote, "rows": rows,
                              "chosen": {"k": best[0], "tau": best[1], "lam": best[2]}}  # fmt: skip
-    for mix in dict.fromkeys([served, best]):
-        row: dict = {"k": mix[0], "tau": mix[1], "lam": mix[2]}
-        for name, (split, lo, hi) in parts.items():
-            now = base[name] if mix == served else hits(split, mix, lo, hi)
-            row[name] = against(now, base[name], "served")
-        print(row, flush=True)
-        result["rows"].append(row)
-    result["grid"] = [{"k": m[0], "tau": m[1], "lam": m[2], "select_hits@1": round(100 * float(v), 2)}
+    result["grid"] = [{"k": m[0], "tau": m[1], "lam": m[2], "select_hits@1": round(100 * v, 2)}
                       for m, v in sorted(chosen.items(), key=lambda kv: -kv[1])]  # fmt: skip
     write_json_atomic(args.out, result)
     print(f"wrote {args.out}")
