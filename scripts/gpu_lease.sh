@@ -9,7 +9,7 @@
 # line of stages, ending with `pack`. A lease is 15 minutes of device time; the calls go back to back
 # (a machine left idle 30 s goes back), each with a timeout that leaves the next one its share:
 #
-#   bash scripts/gpu_lease.sh setup train wait:520 pack   # call 1, timeout_s 590: main's two runs, ~560 s
+#   bash scripts/gpu_lease.sh setup train wait:490 pack   # call 1, timeout_s 590: the next run, ~7 min
 #   bash scripts/gpu_lease.sh setup eval:S pack           # call 2, S = budget_left_s - 75 (~1 min a run)
 #   bash scripts/gpu_lease.sh setup speed:S pack          # call 3 with what is left (>= 200 s), or serve:S
 #
@@ -31,9 +31,10 @@
 # steps of 64 contexts, about 5 minutes of steps on an H200, 6 on an H100), and early stopping after 3
 # validations without a gain.
 # At 7.5 minutes the epoch, not the clock, bounds a run on either card, so runs of different leases
-# follow one schedule. QUEUE picks the runs (below); its default, main, is CORE and independent training
-# on random lists (core-plain, independent-plain) at 3.75 minutes each: about 1,100 steps (60 % of an
-# epoch) on an H100, past where section 25's reranker peaked (step 460-690) and its retriever (920-1150).
+# follow one schedule. QUEUE picks the runs (below); its default, next, is the one docs/results.md plans
+# for the next lease (core-hard-r10: CORE from the default's retriever with mined negatives, 6 minutes);
+# main is CORE and independent training on random lists (core-plain, independent-plain) at 3.75 minutes
+# each: about 1,100 steps (60 % of an epoch) on an H100 (the lease of 2026-11-27, results.md 37).
 #
 # setup   installs .lease/ into /tmp/site in seconds (the GPU host has torch and transformers, not the
 #         project's data packages); the base weights arrive in fp16 and are widened to fp32, and adapters
@@ -111,7 +112,7 @@ else
   # on the full pool, docs/results.md §15-16, nor which reranker orders its retriever's candidates best,
   # §39): the retriever's recall, the reranker's order of its retriever's first 10 (a residual one's:
   # its sum with its retriever).
-  [ "${QUEUE:-main}" = main ] && RUN_MINUTES=${RUN_MINUTES:-3.75}  # two runs in one 15-minute lease
+  [ "${QUEUE:-next}" = main ] && RUN_MINUTES=${RUN_MINUTES:-3.75}  # two runs in one 15-minute lease
   BUDGET=(--epochs "${EPOCHS:-1}" --max-minutes "${RUN_MINUTES:-7.5}" --batch-size 64 --num-negatives 31 --in-batch --eval-every 230
     --valid-size 1000 --valid-candidates 100 --valid-pool 20000 --patience 3)
   # n_r = 200 cost half of an evaluation's reranking in the lease of 2026-11-25 and changed no hits@1;
@@ -232,10 +233,13 @@ RUNS=(
   "grounded-reciprocal|ground train --knowledge reciprocal ${GROUNDED[*]}"
 )
 
-# QUEUE picks the runs: "main" (default: core-plain and independent-plain, at RUN_MINUTES 3.75 the two runs
-# a 15-minute lease affords with their evaluations; `wait` returns when both are done), "all", or names
-# ("core core-hard ..."). Evaluation covers every run that finished, whichever queue trained it.
-case ${QUEUE:-main} in
+# QUEUE picks the runs: "next" (default: the run the docs plan for the next lease; a lease that forgets
+# QUEUE does not train again what an earlier one did), "main" (core-plain and independent-plain, at
+# RUN_MINUTES 3.75 the two runs a 15-minute lease affords with their evaluations; `wait` returns when both
+# are done), "all", or names ("core core-hard ..."). Evaluation covers every run that finished, whichever
+# queue trained it.
+case ${QUEUE:-next} in
+next) QUEUE_NAMES="core-hard-r10" ;;
 main) QUEUE_NAMES="core-plain independent-plain" ;;
 all) QUEUE_NAMES=$(for e in "${RUNS[@]}"; do printf '%s ' "${e%%|*}"; done) ;;
 *) QUEUE_NAMES=$QUEUE ;;
