@@ -80,16 +80,14 @@ def main() -> None:
     pool, bias = served_pool(bot)  # [N, D], [N]
 
     parts = spans(valid, test, args.select, (len(valid[0].q), len(test[0].q)))
-    best, rows, chosen = choose(
+    best, rows, grid = choose(
         lambda splits, mix, lo, hi: hits(splits, mix, pool, bias, lo, hi), parts,
         (1.0,) + (0.0,) * (len(args.views) - 1), simplex(len(args.views), args.grid),
         lambda mix: {"mix": mix},
     )  # fmt: skip
-    print(f"chose {best} of {len(chosen)} mixes, {time.perf_counter() - start:.0f} s", flush=True)
-    result = provenance() | {"bundle": args.bundle, "views": args.views, "mixes": len(chosen),
-                             "chosen": best, "rows": rows}  # fmt: skip
-    result["top_mixes"] = [{"mix": m, "select_hits@1": round(100 * v, 2)}
-                           for m, v in sorted(chosen.items(), key=lambda kv: -kv[1])[:10]]  # fmt: skip
+    print(f"chose {best} of {len(grid)} mixes, {time.perf_counter() - start:.0f} s", flush=True)
+    result = provenance() | {"bundle": args.bundle, "views": args.views, "mixes": len(grid),
+                             "chosen": best, "rows": rows, "top_mixes": grid[:10]}  # fmt: skip
     write_json_atomic(args.out, result)
     print(f"wrote {args.out}")
 

@@ -110,13 +110,14 @@ def choose(
     served: Any,
     grid: Iterable[Any],
     describe: Callable[[Any], dict[str, Any]],
-) -> tuple[Any, list[dict[str, Any]], dict[Any, float]]:
+) -> tuple[Any, list[dict[str, Any]], list[dict[str, Any]]]:
     """A setting chosen on the ``select`` span of :func:`spans` and reported beside the served one.
 
     ``hits(split, mix, lo, hi)`` gives per-pair hits@1 of a setting ``mix`` (hashable); every mix of
     ``grid`` is scored on ``select`` and the best kept, the served one winning a tie. Returns it, one
     row per setting (served, then the chosen one if it differs: ``describe(mix)`` and every span's
-    hits@1 with its paired p against the served), and every mix's hits@1 on ``select`` (a fraction)."""
+    hits@1 with its paired p against the served), and every mix with its hits@1 on ``select``, best
+    first."""
     base = {name: hits(split, served, lo, hi) for name, (split, lo, hi) in parts.items()}
     split, lo, hi = parts["select"]
     chosen = {served: float(base["select"].mean())}
@@ -133,7 +134,8 @@ def choose(
             row[name] = against(now, base[name], "served")
         print(row, flush=True)
         rows.append(row)
-    return best, rows, chosen
+    ranked = sorted(chosen.items(), key=lambda kv: -kv[1])
+    return best, rows, [describe(mix) | {"select_hits@1": round(100 * v, 2)} for mix, v in ranked]
 
 
 class Scorer:

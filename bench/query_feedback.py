@@ -91,14 +91,13 @@ def main() -> None:
         return top1_hits(split, feedback(split, pool, bias, *mix), lo, hi)
 
     parts = spans(valid, test, args.select, (len(valid.q), len(test.q)))
-    best, rows, chosen = choose(
+    best, rows, grid = choose(
         hits, parts, (args.k[0], 0.0), itertools.product(args.k, args.beta),
         lambda mix: {"k": mix[0], "beta": mix[1]},
     )  # fmt: skip
     print(f"chose {best}, {time.perf_counter() - start:.0f} s", flush=True)
-    result = provenance() | {"bundle": args.bundle, "rows": rows, "chosen": {"k": best[0], "beta": best[1]}}
-    result["grid"] = [{"k": m[0], "beta": m[1], "select_hits@1": round(100 * v, 2)}
-                      for m, v in sorted(chosen.items(), key=lambda kv: -kv[1])]  # fmt: skip
+    result = provenance() | {"bundle": args.bundle, "rows": rows, "chosen": {"k": best[0], "beta": best[1]},
+                             "grid": grid}  # fmt: skip
     write_json_atomic(args.out, result)
     print(f"wrote {args.out}")
 

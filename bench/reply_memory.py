@@ -116,16 +116,14 @@ def main() -> None:
         return top1_hits(split, memory.score(split, *mix, args.self_vote), lo, hi)
 
     parts = spans(valid, test, args.select, (len(valid.q), len(test.q)))
-    best, rows, chosen = choose(
+    best, rows, grid = choose(
         hits, parts, (args.k[0], args.tau[0], 0.0), itertools.product(args.k, args.tau, args.lam),
         lambda mix: {"k": mix[0], "tau": mix[1], "lam": mix[2]},
     )  # fmt: skip
     print(f"chose {best}, {time.perf_counter() - start:.0f} s", flush=True)
     result = provenance() | {"bundle": args.bundle, "memory_pairs": len(memory.q),
-                             "self_vote": args.self_vote, "rows": rows,
+                             "self_vote": args.self_vote, "rows": rows, "grid": grid,
                              "chosen": {"k": best[0], "tau": best[1], "lam": best[2]}}  # fmt: skip
-    result["grid"] = [{"k": m[0], "tau": m[1], "lam": m[2], "select_hits@1": round(100 * v, 2)}
-                      for m, v in sorted(chosen.items(), key=lambda kv: -kv[1])]  # fmt: skip
     write_json_atomic(args.out, result)
     print(f"wrote {args.out}")
 
