@@ -10,7 +10,8 @@ all; a gate is then chosen on the ``--calibrate`` span at each ``--fidelity``, a
 ``--measure`` span each gate, the bundle's own, none (always rerank) and the first stage alone are
 scored: hits@1, the share of contexts the gate skips, the share of top answers that differ from always
 reranking, and one-sided paired bootstrap p-values that the gated answer beats the first stage's and
-that always reranking beats the gated answer.
+that always reranking beats the gated answer; with several ``--measure`` spans, the same over all of
+them pooled (a gain too small to show on one span may show on all: docs/results.md §48).
 
     python bench/rerank_gate.py --bundle artifacts/cand-r11-hard-gate --out docs/rerank-gate-r11-hard.json
 """
@@ -50,19 +51,37 @@ def span(flag: str, text: str) -> tuple[str, int, int]:
     return parsed
 
 
+def against_first(hit: np.ndarray, first: np.ndarray) -> dict:
+    """hits@1 of the per-pair ``hit`` [N], its wins and losses against the first stage's ``first`` [N],
+    and the one-sided paired bootstrap p that it beats it."""
+    return {
+        "hits@1": round(100 * hit.mean(), 2),
+        "wins": int(((hit == 1) & (first == 0)).sum()),
+        "losses": int(((hit == 0) & (first == 1)).sum()),
+        "p_beats_first_stage": round(paired_bootstrap(hit, first), 4),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bundle", required=True, help="a bundle with a reranker")
     p.add_argument("--backend", default="auto", help=f"as served: {', '.join(BACKENDS)}")
     p.add_argument("--calibrate", default="valid:0:2000", help="split:start:limit the gates are chosen on")
     p.add_argument(
-        "--measure", nargs="+", default=["test:0:2000", "valid:2000:4622"], help="split:start:limit"
+        "--measure",
+        nargs="+",
+        default=["test:0:2000", "test:2000:4823", "valid:2000:4622"],
+        help="split:start:limit, disjoint; with more than one, also pooled (default: every pair no choice "
+        "was made on, the first 2,000 test pairs apart as the issue states its targets there)",
     )
     p.add_argument("--fidelity", type=float, nargs="+", default=[0.01, 0.02, 0.05, 0.1, 0.2])
     p.add_argument("--out", type=Path, default=None, help="JSON file to write")
     args = p.parse_args()
     args.calibrate = span("--calibrate", args.calibrate)
     args.measure = [span("--measure", m) for m in args.measure]
+    for i, (split, start, limit) in enumerate(args.measure):
+        if any(s == split and a < start + limit and start < a + n for s, a, n in args.measure[:i]):
+            raise SystemExit(f"--measure: {split}:{start}:{limit} overlaps another span; give disjoint ones")
     if bad := [f for f in args.fidelity if not 0 <= f < 1]:
         raise SystemExit(f"--fidelity: each in [0, 1), got {bad}")
     if args.backend not in BACKENDS:
@@ -91,6 +110,7 @@ def main() -> None:
         "gates": gates,
         "spans": {},
     }
+    hits: dict[str, dict[str, np.ndarray]] = {}  # span -> setting -> per-pair hits@1 [N]
     for name, retrieved in got.items():
         golds = [normalize(p.response) for p in pairs[name]]
 
@@ -106,24 +126,34 @@ def main() -> None:
 
         (_, first), (answers, full) = top1("retrieval", None), top1(fusion, None)
         rows: dict = {"first stage": {"hits@1": round(100 * first.mean(), 2)}}
+        hits[name] = {"first stage": first}
         for label, gate in gates.items():
             gated, hit = top1(fusion, gate)
+            hits[name][label] = hit
             rows[label] = {
                 "gate": gate,
-                "hits@1": round(100 * hit.mean(), 2),
                 "skipped_%": round(
                     100 * float(np.mean([confident(c, gate) for c in retrieved.candidates])), 2
                 ),
                 "changed_%": round(
                     100 * float(np.mean([a != b for a, b in zip(gated, answers, strict=True)])), 2
                 ),
-                "wins": int(((hit == 1) & (first == 0)).sum()),
-                "losses": int(((hit == 0) & (first == 1)).sum()),
-                "p_beats_first_stage": round(paired_bootstrap(hit, first), 4),
+                **against_first(hit, first),
                 "p_always_better": round(paired_bootstrap(full, hit), 4),
             }
         result["spans"][name] = rows
         print(name, {k: (v["hits@1"], v.get("skipped_%")) for k, v in rows.items()}, flush=True)
+    measured = [f"{s}[{a}:{a + n}]" for s, a, n in args.measure]
+    if len(measured) > 1:
+        pooled = {label: np.concatenate([hits[n][label] for n in measured]) for label in hits[measured[0]]}
+        first = pooled.pop("first stage")
+        result["pooled"] = {
+            "spans": measured,
+            "pairs": len(first),
+            "first stage": round(100 * first.mean(), 2),
+        }
+        result["pooled"] |= {label: against_first(hit, first) for label, hit in pooled.items()}
+        print("pooled", {k: v["hits@1"] for k, v in result["pooled"].items() if isinstance(v, dict)})
     if args.out:
         write_json_atomic(args.out, result)
 

@@ -91,6 +91,7 @@ def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):
         ("rerank_gate.py", ["--bundle", str(tmp_path)], "--bundle: "),
         ("rerank_gate.py", ["--bundle", str(tiny_bundle), "--fidelity", "1"], "--fidelity: "),
         ("rerank_gate.py", ["--bundle", str(tiny_bundle), "--measure", "test:0"], "--measure: "),
+        ("rerank_gate.py", ["--bundle", str(tiny_bundle), "--measure", "test:0:8", "test:7:2"], "--measure"),
         ("rerank_gate.py", ["--bundle", str(tiny_bundle), "--calibrate", "train:0:5"], "--calibrate: "),
         ("rerank_ensemble.py", ["--bundle", str(tmp_path), "--cross", str(tmp_path)], "--bundle: "),
         (
@@ -169,9 +170,11 @@ def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):
 def test_rerank_gate_chooses_gates_on_one_span_and_scores_them_on_others(tmp_path, tiny_bundle):
     out = tmp_path / "gate.json"
     bench("rerank_gate.py", "--bundle", str(tiny_bundle), "--calibrate", "valid:0:12", "--measure",
-          "test:0:8", "--fidelity", "0", "0.5", "--out", str(out))  # fmt: skip
+          "test:0:8", "test:8:6", "--fidelity", "0", "0.5", "--out", str(out))  # fmt: skip
     result = json.loads(out.read_text())
-    assert set(result["spans"]) == {"valid[0:12]", "test[0:8]"} and result["calibrated_on"] == "valid[0:12]"
+    spans = result["spans"]
+    assert set(spans) == {"valid[0:12]", "test[0:8]", "test[8:14]"}
+    assert result["calibrated_on"] == "valid[0:12]"
     calibration = result["spans"]["valid[0:12]"]
     assert calibration["always rerank"]["skipped_%"] == 0 == calibration["always rerank"]["changed_%"]
     assert calibration["fidelity 0"]["changed_%"] == 0 and calibration["fidelity 0.5"]["changed_%"] <= 50
@@ -181,6 +184,15 @@ def test_rerank_gate_chooses_gates_on_one_span_and_scores_them_on_others(tmp_pat
         assert 0 <= rows["first stage"]["hits@1"] <= 100 and all(
             0 <= r["p_always_better"] <= 1 for r in gated
         )
+    # the measured spans pooled: every setting's pairs, wins and losses are the spans' together
+    pooled, parts = result["pooled"], [spans["test[0:8]"], spans["test[8:14]"]]
+    assert pooled["spans"] == ["test[0:8]", "test[8:14]"] and pooled["pairs"] == 14
+    hits = (8 * parts[0]["first stage"]["hits@1"] + 6 * parts[1]["first stage"]["hits@1"]) / 14
+    assert abs(pooled["first stage"] - hits) < 0.01
+    for label in ("always rerank", "fidelity 0", "fidelity 0.5", "the bundle's own"):
+        for key in ("wins", "losses"):
+            assert pooled[label][key] == sum(rows[label][key] for rows in parts)
+        assert 0 <= pooled[label]["p_beats_first_stage"] <= 1
 
 
 def test_quantisation_compares_each_int8_variant_with_fp32(tmp_path, tiny_core):
