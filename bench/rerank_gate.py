@@ -11,7 +11,9 @@ all; a gate is then chosen on the ``--calibrate`` span at each ``--fidelity``, a
 scored: hits@1, the share of contexts the gate skips, the share of top answers that differ from always
 reranking, and one-sided paired bootstrap p-values that the gated answer beats the first stage's and
 that always reranking beats the gated answer; with several ``--measure`` spans, the same over all of
-them pooled (a gain too small to show on one span may show on all: docs/results.md §48).
+them pooled (a gain too small to show on one span may show on all: docs/results.md §48). With several
+``--n-r``, all of it at each: the candidates are recalled and reranked once, at the largest, and a smaller
+n_r reorders only the first n_r of them, as serving it would (its gates chosen at that n_r).
 
     python bench/rerank_gate.py --bundle artifacts/cand-r11-hard-gate --out docs/rerank-gate-r11-hard.json
 """
@@ -35,8 +37,6 @@ from coreply.gate import confident
 from coreply.text import normalize
 from evaluation.metrics import paired_bootstrap
 from evaluation.protocols import choose_gate, ranked_ids, retrieve_and_rerank
-
-N_R = 10
 
 
 def span(flag: str, text: str) -> tuple[str, int, int]:
@@ -75,6 +75,7 @@ def main() -> None:
         "was made on, the first 2,000 test pairs apart as the issue states its targets there)",
     )
     p.add_argument("--fidelity", type=float, nargs="+", default=[0.01, 0.02, 0.05, 0.1, 0.2])
+    p.add_argument("--n-r", type=int, nargs="+", default=[10], help="candidates reranked, one or several")
     p.add_argument("--out", type=Path, default=None, help="JSON file to write")
     args = p.parse_args()
     args.calibrate = span("--calibrate", args.calibrate)
@@ -84,6 +85,8 @@ def main() -> None:
             raise SystemExit(f"--measure: {split}:{start}:{limit} overlaps another span; give disjoint ones")
     if bad := [f for f in args.fidelity if not 0 <= f < 1]:
         raise SystemExit(f"--fidelity: each in [0, 1), got {bad}")
+    if bad := [n for n in args.n_r if n < 1]:
+        raise SystemExit(f"--n-r: each at least 1, got {bad}")
     if args.backend not in BACKENDS:
         raise SystemExit(f"--backend: one of {', '.join(BACKENDS)}, got {args.backend!r}")
     refuse_below(args)
@@ -98,62 +101,73 @@ def main() -> None:
     for split, start, limit in spans:
         name = f"{split}[{start}:{start + limit}]"
         pairs[name] = splits[split][start : start + limit]
-        got[name] = retrieve_and_rerank(pairs[name], ranking, N_R, N_R)
+        got[name] = retrieve_and_rerank(pairs[name], ranking, max(args.n_r), max(args.n_r))
         print(f"{name}: {len(pairs[name])} contexts recalled and reranked", flush=True)
     calibration = f"{args.calibrate[0]}[{args.calibrate[1]}:{sum(args.calibrate[1:])}]"
-    gates: dict[str, float | None] = {"always rerank": None, "the bundle's own": ranking.gate}
-    gates |= {f"fidelity {f:g}": choose_gate(got[calibration], fusion, N_R, weight, f) for f in args.fidelity}
-    result: dict = provenance() | {
-        "bundle": args.bundle,
-        "fusion": fusion,
-        "calibrated_on": calibration,
-        "gates": gates,
-        "spans": {},
-    }
-    hits: dict[str, dict[str, np.ndarray]] = {}  # span -> setting -> per-pair hits@1 [N]
-    for name, retrieved in got.items():
-        golds = [normalize(p.response) for p in pairs[name]]
-
-        def top1(
-            fusion_: str, gate: float | None, retrieved=retrieved, golds=golds
-        ) -> tuple[list, np.ndarray]:
-            """Each context's top answer (pool id, or None) and whether it is the gold ([N] of 0/1)."""
-            answers = [
-                int(ids[0]) if len(ids) else None for ids in ranked_ids(retrieved, fusion_, N_R, weight, gate)
-            ]
-            hit = [a is not None and ranking.keys[a] == g for a, g in zip(answers, golds, strict=True)]
-            return answers, np.array(hit, dtype=float)
-
-        (_, first), (answers, full) = top1("retrieval", None), top1(fusion, None)
-        rows: dict = {"first stage": {"hits@1": round(100 * first.mean(), 2)}}
-        hits[name] = {"first stage": first}
-        for label, gate in gates.items():
-            gated, hit = top1(fusion, gate)
-            hits[name][label] = hit
-            rows[label] = {
-                "gate": gate,
-                "skipped_%": round(
-                    100 * float(np.mean([confident(c, gate) for c in retrieved.candidates])), 2
-                ),
-                "changed_%": round(
-                    100 * float(np.mean([a != b for a, b in zip(gated, answers, strict=True)])), 2
-                ),
-                **against_first(hit, first),
-                "p_always_better": round(paired_bootstrap(full, hit), 4),
-            }
-        result["spans"][name] = rows
-        print(name, {k: (v["hits@1"], v.get("skipped_%")) for k, v in rows.items()}, flush=True)
     measured = [f"{s}[{a}:{a + n}]" for s, a, n in args.measure]
-    if len(measured) > 1:
-        pooled = {label: np.concatenate([hits[n][label] for n in measured]) for label in hits[measured[0]]}
-        first = pooled.pop("first stage")
-        result["pooled"] = {
-            "spans": measured,
-            "pairs": len(first),
-            "first stage": round(100 * first.mean(), 2),
+
+    def at(n_r: int) -> dict:
+        """Gates chosen at ``n_r`` on the calibration span, each scored on every span and pooled."""
+        gates: dict[str, float | None] = {"always rerank": None, "the bundle's own": ranking.gate}
+        gates |= {
+            f"fidelity {f:g}": choose_gate(got[calibration], fusion, n_r, weight, f) for f in args.fidelity
         }
-        result["pooled"] |= {label: against_first(hit, first) for label, hit in pooled.items()}
-        print("pooled", {k: v["hits@1"] for k, v in result["pooled"].items() if isinstance(v, dict)})
+        out: dict = {"gates": gates, "spans": {}}
+        hits: dict[str, dict[str, np.ndarray]] = {}  # span -> setting -> per-pair hits@1 [N]
+        for name, retrieved in got.items():
+            golds = [normalize(p.response) for p in pairs[name]]
+
+            def top1(
+                fusion_: str, gate: float | None, retrieved=retrieved, golds=golds
+            ) -> tuple[list, np.ndarray]:
+                """Each context's top answer (pool id, or None) and whether it is the gold ([N] of 0/1)."""
+                ranked = ranked_ids(retrieved, fusion_, n_r, weight, gate)
+                answers = [int(ids[0]) if len(ids) else None for ids in ranked]
+                hit = [a is not None and ranking.keys[a] == g for a, g in zip(answers, golds, strict=True)]
+                return answers, np.array(hit, dtype=float)
+
+            (_, first), (answers, full) = top1("retrieval", None), top1(fusion, None)
+            rows: dict = {"first stage": {"hits@1": round(100 * first.mean(), 2)}}
+            hits[name] = {"first stage": first}
+            for label, gate in gates.items():
+                gated, hit = top1(fusion, gate)
+                hits[name][label] = hit
+                rows[label] = {
+                    "gate": gate,
+                    "skipped_%": round(
+                        100 * float(np.mean([confident(c, gate) for c in retrieved.candidates])), 2
+                    ),
+                    "changed_%": round(
+                        100 * float(np.mean([a != b for a, b in zip(gated, answers, strict=True)])), 2
+                    ),
+                    **against_first(hit, first),
+                    "p_always_better": round(paired_bootstrap(full, hit), 4),
+                }
+            out["spans"][name] = rows
+            print(
+                f"n_r {n_r}",
+                name,
+                {k: (v["hits@1"], v.get("skipped_%")) for k, v in rows.items()},
+                flush=True,
+            )
+        if len(measured) > 1:
+            pooled = {
+                label: np.concatenate([hits[n][label] for n in measured]) for label in hits[measured[0]]
+            }
+            first = pooled.pop("first stage")
+            out["pooled"] = {
+                "spans": measured,
+                "pairs": len(first),
+                "first stage": round(100 * first.mean(), 2),
+            }
+            out["pooled"] |= {label: against_first(hit, first) for label, hit in pooled.items()}
+            print(
+                f"n_r {n_r} pooled", {k: v["hits@1"] for k, v in out["pooled"].items() if isinstance(v, dict)}
+            )
+        return out
+
+    result: dict = provenance() | {"bundle": args.bundle, "fusion": fusion, "calibrated_on": calibration}
+    result["n_r"] = {str(n): at(n) for n in sorted(set(args.n_r), reverse=True)}
     if args.out:
         write_json_atomic(args.out, result)
 

@@ -93,6 +93,7 @@ def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):
         ("rerank_gate.py", ["--bundle", str(tiny_bundle), "--measure", "test:0"], "--measure: "),
         ("rerank_gate.py", ["--bundle", str(tiny_bundle), "--measure", "test:0:8", "test:7:2"], "--measure"),
         ("rerank_gate.py", ["--bundle", str(tiny_bundle), "--calibrate", "train:0:5"], "--calibrate: "),
+        ("rerank_gate.py", ["--bundle", str(tiny_bundle), "--n-r", "10", "0"], "--n-r: "),
         ("rerank_ensemble.py", ["--bundle", str(tmp_path), "--cross", str(tmp_path)], "--bundle: "),
         (
             "rerank_ensemble.py",
@@ -170,22 +171,29 @@ def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):
 def test_rerank_gate_chooses_gates_on_one_span_and_scores_them_on_others(tmp_path, tiny_bundle):
     out = tmp_path / "gate.json"
     bench("rerank_gate.py", "--bundle", str(tiny_bundle), "--calibrate", "valid:0:12", "--measure",
-          "test:0:8", "test:8:6", "--fidelity", "0", "0.5", "--out", str(out))  # fmt: skip
+          "test:0:8", "test:8:6", "--fidelity", "0", "0.5", "--n-r", "4", "1", "--out", str(out))  # fmt: skip
     result = json.loads(out.read_text())
-    spans = result["spans"]
+    assert set(result["n_r"]) == {"4", "1"}
+    # one candidate reranked is the first stage's answer: nothing to reorder, nothing won or lost
+    alone = result["n_r"]["1"]["pooled"]["always rerank"]
+    assert (
+        alone["hits@1"] == result["n_r"]["1"]["pooled"]["first stage"]
+        and alone["wins"] == alone["losses"] == 0
+    )
+    spans = result["n_r"]["4"]["spans"]
     assert set(spans) == {"valid[0:12]", "test[0:8]", "test[8:14]"}
     assert result["calibrated_on"] == "valid[0:12]"
-    calibration = result["spans"]["valid[0:12]"]
+    calibration = spans["valid[0:12]"]
     assert calibration["always rerank"]["skipped_%"] == 0 == calibration["always rerank"]["changed_%"]
     assert calibration["fidelity 0"]["changed_%"] == 0 and calibration["fidelity 0.5"]["changed_%"] <= 50
     assert calibration["fidelity 0.5"]["skipped_%"] >= calibration["fidelity 0"]["skipped_%"]
-    for rows in result["spans"].values():
+    for rows in spans.values():
         gated = [r for r in rows.values() if "gate" in r]
         assert 0 <= rows["first stage"]["hits@1"] <= 100 and all(
             0 <= r["p_always_better"] <= 1 for r in gated
         )
     # the measured spans pooled: every setting's pairs, wins and losses are the spans' together
-    pooled, parts = result["pooled"], [spans["test[0:8]"], spans["test[8:14]"]]
+    pooled, parts = result["n_r"]["4"]["pooled"], [spans["test[0:8]"], spans["test[8:14]"]]
     assert pooled["spans"] == ["test[0:8]", "test[8:14]"] and pooled["pairs"] == 14
     hits = (8 * parts[0]["first stage"]["hits@1"] + 6 * parts[1]["first stage"]["hits@1"]) / 14
     assert abs(pooled["first stage"] - hits) < 0.01
