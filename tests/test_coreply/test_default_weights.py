@@ -1,4 +1,4 @@
-"""The retriever shipped in the repository for the default bundle."""
+"""The retriever and rerankers shipped in the repository."""
 
 import pytest
 import torch
@@ -6,7 +6,7 @@ import torch
 from coreply.artifacts import sha256_file
 from coreply.checkpoint import base_weights, fp16_fingerprint, read_meta
 from coreply.config import ModelConfig
-from index_builder.default import DEFAULT_BI
+from index_builder.default import DEFAULT_BI, DEFAULT_CROSS
 
 
 def test_shipped_weights_verify_and_name_the_installed_base_model():
@@ -21,15 +21,21 @@ def test_shipped_weights_verify_and_name_the_installed_base_model():
     assert {"command", "data", "date", "test_metrics", "train_config"} <= set(meta["extra"])
 
 
-def test_the_reranker_a_lease_run_starts_from_verifies_and_names_the_installed_base_model():
-    """``core-cross-r32/`` travels to the GPU host with the tree: scripts/gpu_lease.sh's residual-core run
-    starts from it, so it must load there as here (its base named by sha256 and by fp16 fingerprint)."""
-    meta = read_meta(DEFAULT_BI.parent / "core-cross-r32")
+@pytest.mark.parametrize("path", [DEFAULT_CROSS, DEFAULT_BI.parent / "core-cross-r32"], ids=lambda p: p.name)
+def test_shipped_rerankers_verify_and_name_the_installed_base_model(path):
+    """``default-cross/`` is the default bundle's reranker; ``core-cross-r32/`` travels to the GPU host with
+    the tree (scripts/gpu_lease.sh's residual-core run starts from it). Both must load there as here:
+    their base named by fp16 fingerprint (what loading checks), and ``core-cross-r32/``, made here, by
+    sha256 too (``default-cross/`` names the copy widened from fp16 on the GPU host that trained it)."""
+    meta = read_meta(path)
     assert meta["kind"] == "cross" and set(meta["files"]) == {"adapter.safetensors"}
     config = ModelConfig.from_dict(meta["model_config"])
-    assert meta["adapter"]["base_sha256"] == sha256_file(base_weights(config))
     assert meta["adapter"]["base_fp16_sha256"] == fp16_fingerprint(base_weights(config))
+    if path != DEFAULT_CROSS:
+        assert meta["adapter"]["base_sha256"] == sha256_file(base_weights(config))
     assert "residual_to" not in meta["extra"]  # not tied to one retriever
+    if path == DEFAULT_CROSS:  # the provenance the issue asks for travels with the weights
+        assert {"command", "data", "date", "test_metrics", "train_config"} <= set(meta["extra"])
 
 
 @pytest.mark.pretrained
@@ -59,50 +65,36 @@ def test_default_bundle_is_rebuilt_when_the_shipped_weights_or_the_recipe_change
     monkeypatch.setattr(default, "build_default_bundle", built.append)
     bundle = tmp_path / "default-bundle"
 
-    def built_from(content_hash: str, recipe: str = default.RECIPE) -> None:
-        manifest = {
-            "format": FORMAT,
-            "models": {"bi": {"content_hash": content_hash}},
-            "build": {"command": recipe},
-        }
+    bi, cross = (read_meta(path)["content_hash"] for path in (DEFAULT_BI, DEFAULT_CROSS))
+
+    def built_from(bi: str, cross: str | None, recipe: str = default.RECIPE) -> None:
+        models = {"bi": {"content_hash": bi}, "cross": cross and {"content_hash": cross}}
+        manifest = {"format": FORMAT, "models": models, "build": {"command": recipe}}
         (bundle / MANIFEST).write_text(json.dumps(manifest))
 
     default.ensure_default_bundle(bundle)  # missing: built
     bundle.mkdir()
-    built_from("an-earlier-shipped-retriever")
-    default.ensure_default_bundle(bundle)  # stale weights: rebuilt
-    built_from(read_meta(DEFAULT_BI)["content_hash"], recipe="an earlier recipe")
+    built_from("an-earlier-shipped-retriever", cross)
+    default.ensure_default_bundle(bundle)  # stale retriever: rebuilt
+    built_from(bi, None)
+    default.ensure_default_bundle(bundle)  # built before the reranker shipped: rebuilt
+    built_from(bi, cross, recipe="an earlier recipe")
     default.ensure_default_bundle(bundle)  # stale recipe: rebuilt
-    built_from(read_meta(DEFAULT_BI)["content_hash"])
+    built_from(bi, cross)
     default.ensure_default_bundle(bundle)  # current: kept
-    assert built == [bundle, bundle, bundle]
+    assert built == [bundle] * 4
 
 
-def test_a_shipped_reranker_joins_the_default_with_calibrated_fusion(tmp_path, monkeypatch, tiny_core):
-    import json
-
-    from coreply.bundle import FORMAT, MANIFEST
+def test_the_shipped_reranker_joins_the_default_with_calibrated_fusion(tmp_path, monkeypatch):
     from index_builder import build, default
 
-    assert default.shipped_cross() is None  # none shipped yet: the default is retrieval only
-    monkeypatch.setattr(default, "DEFAULT_CROSS", tiny_core / "cross")
     calls = []
     monkeypatch.setattr(build, "build_bundle", lambda out, texts, **kw: calls.append(kw))
     default.build_default_bundle(tmp_path / "b")
     kw = calls[0]
-    assert kw["cross"] == str(tiny_core / "cross") and len(kw["calibration"]) == default.CALIBRATION_PAIRS
+    assert kw["cross"] == str(DEFAULT_CROSS) and len(kw["calibration"]) == default.CALIBRATION_PAIRS
     assert kw["calibration"] == kw["lexical_pairs"]  # choices on valid[:2000]; the rest measures
     assert len(kw["prior_pairs"]) == 118_111 and len(kw["guard_pairs"]) == 6_623  # train / valid splits
-
-    built = []
-    monkeypatch.setattr(default, "build_default_bundle", built.append)
-    bundle = tmp_path / "default-bundle"
-    bundle.mkdir()
-    bi = {"content_hash": read_meta(DEFAULT_BI)["content_hash"]}
-    manifest = {"format": FORMAT, "models": {"bi": bi, "cross": None}, "build": {"command": default.RECIPE}}
-    (bundle / MANIFEST).write_text(json.dumps(manifest))
-    default.ensure_default_bundle(bundle)  # built without the reranker now shipped: rebuilt
-    manifest["models"]["cross"] = {"content_hash": read_meta(tiny_core / "cross")["content_hash"]}
-    (bundle / MANIFEST).write_text(json.dumps(manifest))
-    default.ensure_default_bundle(bundle)  # current: kept
-    assert built == [bundle]
+    monkeypatch.setattr(default, "DEFAULT_CROSS", tmp_path / "left-out")
+    default.build_default_bundle(tmp_path / "b")
+    assert calls[1]["cross"] is None and calls[1]["calibration"] == ()  # a checkout without it: retrieval
