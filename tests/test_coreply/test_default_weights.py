@@ -98,3 +98,17 @@ def test_the_shipped_reranker_joins_the_default_with_calibrated_fusion(tmp_path,
     monkeypatch.setattr(default, "DEFAULT_CROSS", tmp_path / "left-out")
     default.build_default_bundle(tmp_path / "b")
     assert calls[1]["cross"] is None and calls[1]["calibration"] == ()  # a checkout without it: retrieval
+
+
+@pytest.mark.pretrained
+def test_the_shipped_reranker_prefers_a_reply_to_an_unrelated_turn():
+    """Not to a restatement: it scores the user's own last turn above the human reply in most contexts
+    (docs/results.md §49), so the default's restatement guard drops those before it reranks."""
+    from coreply.checkpoint import load_checkpoint
+
+    cross = load_checkpoint(DEFAULT_CROSS, expect="cross")
+    contexts = [["i just got a new puppy!"], ["hi! how was your weekend?", "great, i went hiking. you?"]]
+    replies = ["What type of puppy? I love dogs!", "That's fun. I love hiking"]
+    unrelated = ["the weather is cold today.", "i love pizza with extra cheese"]
+    scores = cross.score_pairs(contexts * 2, replies + unrelated)  # [4]: replies, then unrelated turns
+    assert (scores[:2] > scores[2:] + 1).all(), scores.tolist()
