@@ -21,6 +21,8 @@ n_r reorders only the first n_r of them, as serving it would (its gates chosen a
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +38,7 @@ from coreply.corpus import load_chitchat
 from coreply.gate import confident
 from coreply.text import normalize
 from evaluation.metrics import paired_bootstrap
-from evaluation.protocols import choose_gate, ranked_ids, retrieve_and_rerank
+from evaluation.protocols import Retrieved, choose_gate, ranked_ids, retrieve_and_rerank
 
 
 def span(flag: str, text: str) -> tuple[str, int, int]:
@@ -60,6 +62,22 @@ def against_first(hit: np.ndarray, first: np.ndarray) -> dict:
         "losses": int(((hit == 0) & (first == 1)).sum()),
         "p_beats_first_stage": round(paired_bootstrap(hit, first), 4),
     }
+
+
+def top1(
+    got: Retrieved,
+    golds: Sequence[str],
+    keys: Sequence[str],
+    n_r: int,
+    weight: float,
+    fusion: str,
+    gate: float | None,
+) -> tuple[list[int | None], np.ndarray]:
+    """Each context's top answer under ``fusion`` of its first ``n_r`` (gated past ``gate``; a pool id, or
+    None) and whether it is the gold (``golds``: normalised; ``keys``: the pool's), [N] of 0/1."""
+    answers = [int(ids[0]) if len(ids) else None for ids in ranked_ids(got, fusion, n_r, weight, gate)]
+    hit = [a is not None and keys[a] == g for a, g in zip(answers, golds, strict=True)]
+    return answers, np.array(hit, dtype=float)
 
 
 def main() -> None:
@@ -97,12 +115,13 @@ def main() -> None:
 
     splits = load_chitchat()
     spans = [args.calibrate, *args.measure]
-    got, pairs = {}, {}
+    got, golds = {}, {}
     for split, start, limit in spans:
         name = f"{split}[{start}:{start + limit}]"
-        pairs[name] = splits[split][start : start + limit]
-        got[name] = retrieve_and_rerank(pairs[name], ranking, max(args.n_r), max(args.n_r))
-        print(f"{name}: {len(pairs[name])} contexts recalled and reranked", flush=True)
+        pairs = splits[split][start : start + limit]
+        golds[name] = [normalize(p.response) for p in pairs]
+        got[name] = retrieve_and_rerank(pairs, ranking, max(args.n_r), max(args.n_r))
+        print(f"{name}: {len(pairs)} contexts recalled and reranked", flush=True)
     calibration = f"{args.calibrate[0]}[{args.calibrate[1]}:{sum(args.calibrate[1:])}]"
     measured = [f"{s}[{a}:{a + n}]" for s, a, n in args.measure]
 
@@ -115,22 +134,12 @@ def main() -> None:
         out: dict = {"gates": gates, "spans": {}}
         hits: dict[str, dict[str, np.ndarray]] = {}  # span -> setting -> per-pair hits@1 [N]
         for name, retrieved in got.items():
-            golds = [normalize(p.response) for p in pairs[name]]
-
-            def top1(
-                fusion_: str, gate: float | None, retrieved=retrieved, golds=golds
-            ) -> tuple[list, np.ndarray]:
-                """Each context's top answer (pool id, or None) and whether it is the gold ([N] of 0/1)."""
-                ranked = ranked_ids(retrieved, fusion_, n_r, weight, gate)
-                answers = [int(ids[0]) if len(ids) else None for ids in ranked]
-                hit = [a is not None and ranking.keys[a] == g for a, g in zip(answers, golds, strict=True)]
-                return answers, np.array(hit, dtype=float)
-
-            (_, first), (answers, full) = top1("retrieval", None), top1(fusion, None)
+            answer = partial(top1, retrieved, golds[name], ranking.keys, n_r, weight)  # (fusion, gate)
+            (_, first), (answers, full) = answer("retrieval", None), answer(fusion, None)
             rows: dict = {"first stage": {"hits@1": round(100 * first.mean(), 2)}}
             hits[name] = {"first stage": first}
             for label, gate in gates.items():
-                gated, hit = top1(fusion, gate)
+                gated, hit = answer(fusion, gate)
                 hits[name][label] = hit
                 rows[label] = {
                     "gate": gate,
