@@ -12,9 +12,14 @@ bf16 peak (H100/H200) and, on any device, by a measured large-matmul peak.
 
 ``--variant`` adds ablations of the same mode: ``no-cache`` (every step calls the tokenizer, as before
 the id cache), ``no-prefetch``, ``chunks=N`` (reranker pairs in token-budget chunks of N), ``batch=N``,
-``compile``, ``mined=N`` (N of the negatives are the pool's paraphrases of the last turn, mined by the
+``compile``, ``packed`` (every model input without padding: ``--packed``; ``packed-compile`` with
+``compile``), ``mined=N`` (N of the negatives are the pool's paraphrases of the last turn, mined by the
 retriever as the lease's runs do; the miner's refresh, every ``hard_refresh`` steps, falls in the warm-up,
 so the timed steps show the per-step cost of mining, not the refresh's).
+
+With a packed variant the result also says whether packed and padded input score alike on this device
+(``packed_check``: the untrained reranker on 256 training pairs under the run's autocast, and whether
+CUDA's variable-length attention ran): a lease turns ``--packed`` on only when they do and it is faster.
 
 ``--profile N`` runs N more steps of each row under ``torch.profiler``: where a step's time goes (the
 top operators by device time on CUDA, host time on the CPU) and, on CUDA, the share of the wall the
@@ -38,13 +43,13 @@ from torch.profiler import ProfilerActivity, profile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# bench/bench.py: this script's directory is on sys.path
-from bench import device_busy_share, operators, provenance
+from bench import device_busy_share, operators, provenance  # bench/bench.py: this directory is on sys.path
+from coreply import models
 from coreply.artifacts import write_json_atomic
 from coreply.checkpoint import save_checkpoint
 from coreply.config import ModelConfig
 from coreply.corpus import build_pool, load_chitchat
-from coreply.device import resolve_device
+from coreply.device import autocast, resolve_device
 from coreply.models import CrossEncoder
 from training.config import MODES, TrainConfig
 from training.trainer import Trainer
@@ -182,12 +187,40 @@ def measure(
     return result
 
 
+@torch.no_grad()
+def packed_check(model: ModelConfig, pairs, device: torch.device, n: int = 256) -> dict[str, Any]:
+    """How far packed input's scores are from padded input's: the untrained reranker in eval mode on the
+    first ``n`` (context, gold) pairs, under the training autocast; ``varlen``: whether ``varlen_attn``
+    ran."""
+    cross = CrossEncoder.from_pretrained(model).to(device).eval()
+    batch = cross.tokenizer.pairs([p.context for p in pairs[:n]], [p.response for p in pairs[:n]])
+    calls, ready = [0], models._varlen_ready
+
+    def counted(q: torch.Tensor) -> bool:
+        calls[0] += ready(q)
+        return ready(q)
+
+    models._varlen_ready = counted
+    try:
+        with autocast(device):
+            padded = cross(batch.to(device)).float()
+            packed = cross(batch.packed().to(device)).float()
+    finally:
+        models._varlen_ready = ready
+    return {
+        "pairs": len(batch.input_ids),
+        "max_abs_diff": round(float((packed - padded).abs().max()), 5),
+        "score_std": round(float(padded.std()), 5),
+        "varlen": calls[0] > 0,
+    }
+
+
 def config_for(base: TrainConfig, mode: str, variant: str, teacher: str) -> TrainConfig:
     cfg = replace(base, mode=mode, teacher=teacher if mode == "distill" else None)
     if variant == "no-prefetch":
         cfg = replace(cfg, prefetch=False)
-    elif variant == "compile":
-        cfg = replace(cfg, compile=True)
+    elif variant in ("compile", "packed", "packed-compile"):
+        cfg = replace(cfg, compile="compile" in variant, packed="packed" in variant)
     elif variant.startswith("chunks="):
         cfg = replace(cfg, max_batch_tokens=int(variant.split("=")[1]))
     elif variant.startswith("batch="):
@@ -206,7 +239,7 @@ def main() -> None:
         "--variant",
         nargs="+",
         default=["base"],
-        help="base, no-cache, no-prefetch, chunks=N, batch=N, compile, mined=N",
+        help="base, no-cache, no-prefetch, chunks=N, batch=N, compile, packed, packed-compile, mined=N",
     )
     p.add_argument(
         "--base-model", default=None, help="default: all-MiniLM-L6-v2 on CUDA, the tiny model on CPU"
@@ -268,6 +301,9 @@ def main() -> None:
         "nominal_bf16_tflops": nominal and nominal / 1e12,
         "rows": rows,
     }
+    if any(v.startswith("packed") for v in args.variant):
+        result["packed_check"] = packed_check(model, pairs, device)
+        print(f"packed against padded: {result['packed_check']}", flush=True)
     for mode in args.modes:
         for variant in args.variant:
             try:

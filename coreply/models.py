@@ -27,6 +27,11 @@ from coreply.config import ModelConfig
 from coreply.device import autocast, batch_scale
 from coreply.tokenization import Batch, DialogueTokenizer, score_by_tokens
 
+try:  # PyTorch >= 2.10: FlashAttention over packed sequences (CUDA, half precision)
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # pragma: no cover - depends on the PyTorch version
+    varlen_attn = None
+
 hf_logging.set_verbosity_error()
 hf_logging.disable_progress_bar()
 
@@ -86,6 +91,61 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
         return hidden[:, 0]
     weights = mask.unsqueeze(-1).to(hidden.dtype)  # [N, L, 1]
     return (hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
+
+
+def backbone_hidden(backbone: PreTrainedModel, batch: Batch) -> torch.Tensor:
+    """The backbone's last hidden states [N, L, H] (zeros at padding when packed). A batch with a
+    :class:`~coreply.tokenization.Packing` runs only its T real tokens through the transformer layers,
+    [T, H] throughout: no compute on padding. Attention then goes through ``varlen_attn`` (CUDA, bf16 or
+    fp16) or, elsewhere, padded attention over the same tokens; it drops no attention probabilities, so in
+    training it differs from the padded path by that dropout alone (evaluation: the same scores)."""
+    if batch.packing is None:
+        return backbone(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            token_type_ids=batch.token_type_ids,
+        ).last_hidden_state
+    if not (hasattr(backbone, "embeddings") and hasattr(backbone.encoder, "layer")):
+        raise ValueError(f"packed input needs a BERT-style backbone, not {type(backbone).__name__}")
+    n, length = batch.input_ids.shape
+    index = batch.packing.index  # [T]
+    positions = torch.arange(length, device=index.device).expand(n, length)  # [N, L]
+    flat = lambda t: t.reshape(-1)[index][None]  # noqa: E731  [N, L] -> [1, T]
+    x = backbone.embeddings(
+        input_ids=flat(batch.input_ids),
+        token_type_ids=flat(batch.token_type_ids),
+        position_ids=flat(positions),
+    )[0]  # [T, H]
+    for layer in backbone.encoder.layer:  # BertLayer: attention, add & norm, feed-forward, add & norm
+        x = layer.attention.output(_packed_attention(layer.attention.self, x, batch), x)
+        x = layer.output(layer.intermediate(x), x)
+    return x.new_zeros(n * length, x.shape[-1]).index_copy(0, index, x).view(n, length, -1)
+
+
+def _varlen_ready(q: torch.Tensor) -> bool:
+    """Whether ``varlen_attn`` can run on these queries: FlashAttention wants CUDA and half precision."""
+    return varlen_attn is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+
+
+def _packed_attention(attention: nn.Module, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """BERT self-attention over packed tokens: x [T, H] -> [T, H]."""
+    packing = batch.packing
+    heads, width = attention.num_attention_heads, attention.attention_head_size
+    q, k, v = (proj(x).view(-1, heads, width) for proj in (attention.query, attention.key, attention.value))
+    if _varlen_ready(q):
+        cu, longest = packing.cu_seqlens, packing.max_len
+        out = varlen_attn(q, k, v, cu, cu, longest, longest)  # [T, heads, width]
+    else:
+        n, length = batch.attention_mask.shape
+
+        def padded(t: torch.Tensor) -> torch.Tensor:  # [T, heads, width] -> [N, heads, L, width]
+            full = t.new_zeros(n * length, heads, width).index_copy(0, packing.index, t)
+            return full.view(n, length, heads, width).transpose(1, 2)
+
+        keys = batch.attention_mask.bool()[:, None, None, :]  # [N, 1, 1, L]
+        out = nn.functional.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=keys)
+        out = out.transpose(1, 2).reshape(n * length, heads, width)[packing.index]  # [T, heads, width]
+    return out.reshape(x.shape)
 
 
 class _Encoder(nn.Module):
@@ -162,20 +222,16 @@ class BiEncoder(_Encoder):
         """Context side times ``score_scale`` (ranking is unchanged; training logits are scaled)."""
         return emb * self.config.score_scale if self.config.score_scale != 1.0 else emb
 
-    def _hidden(self, tower: PreTrainedModel, batch: Batch) -> torch.Tensor:
-        """-> [N, L, H]"""
-        return tower(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
-
     def encode_context(self, batch: Batch) -> torch.Tensor:
         """-> [N, D]"""
-        hidden = self._hidden(self.context_tower, batch)
+        hidden = backbone_hidden(self.context_tower, batch)
         return self._scaled(
             self._head(self.context_projection, pool(hidden, batch.attention_mask, self.config.pooling))
         )
 
     def encode_response(self, batch: Batch) -> torch.Tensor:
         """-> [N, D]"""
-        hidden = self._hidden(self.response_tower, batch)
+        hidden = backbone_hidden(self.response_tower, batch)
         return self._head(self.response_projection, pool(hidden, batch.attention_mask, self.config.pooling))
 
     def forward(
@@ -253,7 +309,7 @@ class PolyEncoder(BiEncoder):
     def encode_context_codes(self, batch: Batch) -> torch.Tensor:
         """-> [N, 1 + m, D]: row 0 the pooled context vector (what retrieves), rows 1..m the code
         vectors (what rescores), from one pass of the context tower."""
-        hidden = self._hidden(self.context_tower, batch)  # [N, L, H]
+        hidden = backbone_hidden(self.context_tower, batch)  # [N, L, H]
         mask = batch.attention_mask
         pooled = pool(hidden, mask, self.config.pooling)  # [N, H]
         logits = torch.einsum("mh,nlh->nml", self.codes.to(hidden.dtype), hidden)  # [N, m, L]
@@ -365,12 +421,7 @@ class CrossEncoder(_Encoder):
         Chunks go through one call, so a DistributedDataParallel wrapper sees one forward per step."""
         if not isinstance(pairs, Batch):
             return torch.cat([self.forward(chunk) for chunk in pairs])
-        out = self.backbone(
-            input_ids=pairs.input_ids,
-            attention_mask=pairs.attention_mask,
-            token_type_ids=pairs.token_type_ids,
-        ).last_hidden_state  # [N, L, H]
-        return self.head(out, pairs)
+        return self.head(backbone_hidden(self.backbone, pairs), pairs)  # hidden [N, L, H] -> [N]
 
     @property
     def reads_knowledge(self) -> bool:

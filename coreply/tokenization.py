@@ -14,7 +14,7 @@ Two layers, so that text is tokenised once and inputs are assembled from token i
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -24,29 +24,57 @@ from coreply.config import ModelConfig
 
 
 @dataclass
+class Packing:
+    """Where a padded batch's real tokens are, for a model that runs them without the padding (see
+    ``coreply.models.backbone_hidden``): ``index`` [T] their flat positions in the [N, L] batch, row after
+    row; ``cu_seqlens`` [N + 1] (int32) where each row starts among the T; ``max_len`` the longest row."""
+
+    index: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_len: int
+
+    def apply(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Packing:
+        return Packing(fn(self.index), fn(self.cu_seqlens), self.max_len)
+
+
+@dataclass
 class Batch:
-    """Padded model input. All tensors are [N, L]."""
+    """Padded model input. All tensors are [N, L]; ``packing`` (from :meth:`packed`) lets a model skip
+    the padding."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     token_type_ids: torch.Tensor
+    packing: Packing | None = None
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
+        packing = self.packing.apply(fn) if self.packing is not None else None
+        return Batch(fn(self.input_ids), fn(self.attention_mask), fn(self.token_type_ids), packing)
 
     def to(self, device: torch.device, non_blocking: bool = False) -> Batch:
-        return Batch(
-            self.input_ids.to(device, non_blocking=non_blocking),
-            self.attention_mask.to(device, non_blocking=non_blocking),
-            self.token_type_ids.to(device, non_blocking=non_blocking),
-        )
+        return self._apply(lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> Batch:
-        return Batch(
-            self.input_ids.pin_memory(), self.attention_mask.pin_memory(), self.token_type_ids.pin_memory()
-        )
+        return self._apply(lambda t: t.pin_memory())
+
+    def packed(self) -> Batch:
+        """This batch with its :class:`Packing` (computed where the mask is, best on the CPU: the model
+        then needs no host synchronisation to learn T)."""
+        lengths = self.attention_mask.sum(1)  # [N]
+        cu_seqlens = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=lengths.device)
+        cu_seqlens[1:] = lengths.cumsum(0)
+        index = self.attention_mask.reshape(-1).nonzero().squeeze(1)  # [T]
+        return replace(self, packing=Packing(index, cu_seqlens, int(lengths.max()) if len(lengths) else 0))
 
     @property
     def tokens(self) -> int:
         """Real (unpadded) tokens in the batch."""
         return int(self.attention_mask.sum())
+
+    @property
+    def computed_tokens(self) -> int:
+        """Tokens a model computes on: the real ones when packed, else every padded position."""
+        return self.input_ids.numel() if self.packing is None else len(self.packing.index)
 
 
 def pad_rows(rows: Sequence[Sequence[int]], pad: int, segment_starts: Sequence[int] | None = None) -> Batch:

@@ -98,6 +98,7 @@ if [ "${DRY:-0}" = 1 ]; then
   BUDGET=(--max-steps 2 --max-minutes 5 --batch-size 4 --num-negatives 15 --eval-every 2 --valid-size 20 --valid-candidates 10 --valid-pool 100)
   EVAL=(--limit 20 --valid-limit 20 --pool-limit 500 --n-r 10 --candidates 10 --prior-pairs none)
   SPEED=(--steps 1 --warmup 0 --pairs 500 --batch-size 4 --num-negatives 7 --profile 1)
+  PROBE=(--steps 1 --warmup 1 --pairs 500 --batch-size 4 --num-negatives 7)
   HARD_POOL=500
   MAE_STEPS=2
   GROUNDED=(--max-steps 2 --batch-size 2 --num-negatives 3 --top-m 2 --valid-size 10 --valid-candidates 5)
@@ -121,6 +122,7 @@ else
   # throughput does not depend on the corpus size: 20,000 pairs keep each measurement's set-up short
   # and 3 more steps under torch.profiler: where a step's time goes, and how busy the GPU is (MFU 8-10 %)
   SPEED=(--steps 20 --warmup 5 --pairs 20000 --batch-size 64 --num-negatives 31 --in-batch --profile 3)
+  PROBE=(--steps 10 --warmup 3 --pairs 20000 --batch-size 64 --num-negatives 31 --in-batch)  # the runs' shape
   HARD_POOL=20000
   # Knowledge-grounded ranking at the paper's sizes (m = 5, 15 negatives, 128 knowledge tokens)
   GROUNDED=(--max-steps "${GROUNDED_STEPS:-1000}" --batch-size 16 --num-negatives 15 --top-m 5
@@ -472,8 +474,39 @@ with lzma.open('.lease/dataset.json.xz') as src, open('/tmp/site/chitchat_datase
       --modes independent distill mutual --out "$LEASE/train-speed-modes.json" 2>&1 |
       tee -a "$LEASE/speed.txt" || echo "speed: modes cut off" | tee -a "$LEASE/queue.log"
     ;;
+  packed | packed:*)  # CORE's throughput with and without --packed (every model input without padding:
+    # variable-length FlashAttention) and whether packed input scores like padded on this card; where
+    # it does and is >= 10 % faster, `train` (in this call and later ones) adds --packed to every run
+    # that starts: $LEASE/packed.flag. packed:S bounds the stage (default 120 s)
+    local limit packed
+    limit=$(seconds "$1" 120)
+    if [ ! -f "$LEASE/packed.flag" ]; then
+      timeout "$limit" python3 bench/train_speed.py --device "$DEVICE" "${PROBE[@]}" --modes core \
+        --variant base packed --out "$LEASE/train-speed-packed.json" 2>&1 | tee "$LEASE/packed.txt" ||
+        echo "packed: cut off" | tee -a "$LEASE/queue.log"
+      python3 - "$LEASE/train-speed-packed.json" "$DEVICE" >"$LEASE/packed.flag" <<'EOF'
+import json
+import sys
+
+try:
+    result = json.load(open(sys.argv[1]))
+except (OSError, ValueError):
+    sys.exit()  # measured nothing: train as before
+rows = {r["variant"]: r for r in result["rows"]}
+check = result.get("packed_check", {})
+alike = check.get("max_abs_diff", 1e9) <= 0.1 * check.get("score_std", 0)  # bf16 noise, not a wrong layout
+kernel = check.get("varlen") or sys.argv[2] == "cpu"  # the dry run on the CPU has no FlashAttention
+speeds = {v: r["contexts_per_s"] for v, r in rows.items()}
+faster = speeds.get("packed", 0) >= 1.1 * speeds.get("base", 1e9)
+print("--packed" if alike and kernel and faster else "")
+print(f"packed: {check}; contexts/s {speeds}", file=sys.stderr)
+EOF
+    fi
+    echo "== packed: train adds '$(cat "$LEASE/packed.flag")'"
+    ;;
   train)
     rm -f "$LEASE/queue.done" "$LEASE/queue.stop"
+    [ -f "$LEASE/packed.flag" ] && read -ra packed <"$LEASE/packed.flag" && RECIPE+=("${packed[@]}")
     if [ "${DRY:-0}" = 1 ]; then queue; else
       # the queue runs in its own session, so it outlives this call (until the machine goes back); the
       # lock makes `train` a no-op while a queue runs, so every call may say `train`
@@ -627,7 +660,7 @@ print(json.load(open(sys.argv[1])).get('init_bi') or sys.argv[2])" "$LEASE/$run/
     du -sh "$keep"
     travel "unpack (KEEP $keep)"
     ;;
-  *) echo "gpu_lease.sh: unknown stage '$1' (carry, carry-serve, setup, serve[:SECONDS], speed[:SECONDS], train, stop[:SECONDS], wait:SECONDS, eval[:SECONDS], pack, unpack:DIR)" >&2; exit 2 ;;
+  *) echo "gpu_lease.sh: unknown stage '$1' (carry, carry-serve, setup, serve[:SECONDS], speed[:SECONDS], packed[:SECONDS], train, stop[:SECONDS], wait:SECONDS, eval[:SECONDS], pack, unpack:DIR)" >&2; exit 2 ;;
   esac
 }
 

@@ -50,6 +50,27 @@ def test_core_step_with_bf16_autocast_on_cuda(tmp_path, tiny_model_dir, toy_pair
     assert trainer.device.type == "cuda"
 
 
+@pytest.mark.parametrize("packed_train", [False, True])
+def test_packed_input_runs_variable_length_attention_and_scores_like_padded(tiny_model_dir, packed_train):
+    import coreply.models as models
+    from coreply.device import autocast
+
+    if models.varlen_attn is None:
+        pytest.skip("this PyTorch has no torch.nn.attention.varlen")
+    torch.manual_seed(0)
+    cross = CrossEncoder.from_pretrained(ModelConfig(base_model=str(tiny_model_dir), dropout=0.0)).cuda()
+    batch = cross.tokenizer.pairs([["hello", "how are you ?"], ["hi"]] * 4, ["i am fine", "pizza"] * 4)
+    cross.train(packed_train)
+    cuda = torch.device("cuda")
+    with autocast(cuda):
+        padded, packed = cross(batch.to(cuda)), cross(batch.packed().to(cuda))
+    if packed_train:
+        packed.sum().backward()  # FlashAttention's backward over packed rows
+        assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in cross.parameters())
+    else:
+        assert torch.allclose(packed.float(), padded.float(), atol=3e-2)
+
+
 def test_bundle_built_on_cuda_serves_like_cpu(tmp_path, tiny_core, toy_pairs):
     """Pool encoded on CUDA (bf16 autocast) and served on CUDA ranks like the CPU reference."""
     import numpy as np

@@ -96,6 +96,9 @@ HELP = {
     "replies, docs/results.md 28); lists left short get random negatives",
     "max_batch_tokens": "> 0: run each model's inputs (contexts, candidates, reranker pairs) in "
     "length-sorted chunks of at most this many padded tokens (less padding); 0: one padded batch each",
+    "packed": "run each model's inputs as their real tokens only, no padding (variable-length "
+    "FlashAttention on CUDA, PyTorch >= 2.10; no attention-probability dropout); instead of "
+    "--max-batch-tokens",
     "prefetch": "build the next step's lists and token ids in a thread while this step runs",
     "compile": "torch.compile the models (dynamic shapes)",
     "grad_clip": "gradient-norm clip (the precursor paper's value)",
@@ -155,6 +158,7 @@ class TrainConfig:
     paraphrase_negatives: int = 0
     paraphrase_floor: float = 0.0
     max_batch_tokens: int = 0
+    packed: bool = False
     prefetch: bool = True
     compile: bool = False
     grad_clip: float = 10.0
@@ -190,6 +194,11 @@ class TrainConfig:
         if self.valid_candidates < 2:
             n = self.valid_candidates
             raise ValueError(f"valid_candidates (--valid-candidates) must be >= 2, got {n}")
+        if self.packed and self.max_batch_tokens:
+            raise ValueError(
+                "packed (--packed) runs each model's inputs as one batch without padding: "
+                "drop --max-batch-tokens"
+            )
         if self.paraphrase_floor and not self.paraphrase_negatives:
             raise ValueError("paraphrase_floor (--paraphrase-floor) filters --paraphrase-negatives: set both")
         chosen = ("hard_negatives", "own_turn_negatives", "paraphrase_negatives")

@@ -88,19 +88,27 @@ class MicroBatch:
 
     @property
     def counts(self) -> dict[str, int]:
-        """Real and padded tokens per model, for throughput figures."""
+        """Real and computed (padded, unless packed) tokens per model, for throughput figures."""
         out: dict[str, int] = {}
         bi = [b for _, b in self.contexts + self.responses] if self.contexts is not None else []
         for name, batches in (("bi", bi), ("cross", [b for _, b in self.cross or []])):
             if batches:
                 out[f"{name}_tokens"] = sum(b.tokens for b in batches)
-                out[f"{name}_padded"] = sum(b.input_ids.numel() for b in batches)
+                out[f"{name}_padded"] = sum(b.computed_tokens for b in batches)
         return out
 
+    def _map(self, fn: Callable[[Batch], Batch]) -> MicroBatch:
+        each = lambda chunks: [(i, fn(b)) for i, b in chunks] if chunks else chunks  # noqa: E731
+        return MicroBatch(
+            self.pairs, self.lists, *map(each, (self.contexts, self.responses, self.cross, self.teacher))
+        )
+
     def pin_memory(self) -> MicroBatch:
-        pin = lambda chunks: [(i, b.pin_memory()) for i, b in chunks] if chunks else chunks  # noqa: E731
-        chunks = (pin(self.contexts), pin(self.responses), pin(self.cross), pin(self.teacher))
-        return MicroBatch(self.pairs, self.lists, *chunks)
+        return self._map(Batch.pin_memory)
+
+    def packed(self) -> MicroBatch:
+        """Every batch with its packing (models then skip the padding)."""
+        return self._map(Batch.packed)
 
 
 def in_chunks(make_batch, rows: list, lengths: Sequence[int], max_tokens: int) -> Chunks:
@@ -427,6 +435,8 @@ class Trainer:
             mb.cross = pair_chunks(self.cross.tokenizer, contexts, lists, budget)
         if self.teacher is not None:
             mb.teacher = pair_chunks(self.teacher.tokenizer, contexts, lists, budget)
+        if self.cfg.packed:
+            mb = mb.packed()
         return mb.pin_memory() if self.device.type == "cuda" else mb
 
     def _prepare(self, epoch: int, index: int) -> list[MicroBatch]:

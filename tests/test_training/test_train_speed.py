@@ -13,15 +13,16 @@ def test_train_speed_reports_throughput_padding_and_utilisation_per_mode_and_var
     run = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "train_speed.py"), "--device", "cpu", "--steps", "1",
          "--warmup", "1", "--pairs", "300", "--batch-size", "4", "--num-negatives", "3",
-         "--modes", "core", "distill", "--variant", "base", "chunks=64", "mined=1", "--profile", "1",
-         "--out", str(out)],
+         "--modes", "core", "distill", "--variant", "base", "chunks=64", "packed", "mined=1",
+         "--profile", "1", "--out", str(out)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     result = json.loads(out.read_text())
     assert result["train_pairs"] == 300 and result["list_size"] == 4 and result["date"]
     rows = {(r["mode"], r["variant"]): r for r in result["rows"]}
-    assert set(rows) == {(m, v) for m in ("core", "distill") for v in ("base", "chunks=64", "mined=1")}
+    variants = ("base", "chunks=64", "packed", "mined=1")
+    assert set(rows) == {(m, v) for m in ("core", "distill") for v in variants}
     for r in rows.values():
         assert r["contexts_per_s"] > 0 and r["tokens_per_s"] > 0 and r["model_tflops_per_s"] > 0
         assert 0 < r["mfu_vs_measured_matmul"] < 1
@@ -33,4 +34,5 @@ def test_train_speed_reports_throughput_padding_and_utilisation_per_mode_and_var
         assert sum(op["self_host_ms"] for op in prof["operators"]) <= prof["ms_per_step"]
     # chunking the reranker's pairs by a token budget pads less than one batch padded to the longest
     assert rows["core", "chunks=64"]["padding_share"] < rows["core", "base"]["padding_share"]
+    assert rows["core", "packed"]["padding_share"] == 0  # packed: no compute on padding at all
     assert "cross_loss" not in rows["distill", "base"]["losses"]  # distill trains the retriever only

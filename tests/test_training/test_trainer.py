@@ -442,6 +442,8 @@ def test_config_errors():
         TrainConfig(mode="adversarial")
     with pytest.raises(ValueError, match=r"warmup_ratio \(--warmup-ratio\) must be in \[0, 1\)"):
         TrainConfig(warmup_ratio=1.0)
+    with pytest.raises(ValueError, match="drop --max-batch-tokens"):
+        TrainConfig(packed=True, max_batch_tokens=4096)
 
 
 def test_negative_sampler_never_returns_the_positive():
@@ -539,6 +541,26 @@ def test_length_sorted_chunks_score_like_one_padded_batch(tmp_path, tiny_model_d
         assert got.shape == (4, 4) and torch.allclose(got, want, atol=1e-5)
         for want_r, got_r in zip(one._bi_scores(a), chunked._bi_scores(b), strict=True):
             assert got_r is None or torch.allclose(got_r, want_r, atol=1e-5)
+
+
+def test_packed_inputs_train_like_padded_ones_and_compute_no_padding(tmp_path, tiny_model_dir, toy_pairs):
+    runs = []
+    for packed in (False, True):
+        cfg = config(
+            tmp_path, tiny_model_dir, mode="core", packed=packed, output_dir=str(tmp_path / str(packed))
+        )
+        trainer = Trainer(cfg, toy_pairs, [], pool_of(toy_pairs))
+        trainer.bi.eval(), trainer.cross.eval()  # no dropout (packed attention drops no probabilities)
+        pairs, rng = trainer._global_batch(0, 0)
+        counts = trainer._micro_batch(pairs, trainer._candidate_lists(pairs, rng)).counts
+        assert (counts["cross_padded"] == counts["cross_tokens"]) == packed
+        assert (counts["bi_padded"] == counts["bi_tokens"]) == packed
+        # the losses of steps 2 and 3 are those of the updated models (their parameters are not compared:
+        # Adam turns the rounding noise of gradients that are zero in exact arithmetic, such as the head's
+        # bias under a list-wise softmax, into steps of the learning rate's size)
+        runs.append([trainer.reduce_losses(trainer.train_step(0, i)) for i in range(3)])
+    for want, got in zip(*runs, strict=True):
+        assert want.keys() == got.keys() and all(abs(want[k] - got[k]) < 1e-4 for k in want)
 
 
 def test_restatement_negatives_come_from_the_context_and_the_last_turns_neighbours(
