@@ -4,7 +4,9 @@ contexts in batches of the given sizes (1: a lone client; 64: what the micro-bat
 Per stage (encode, search, filter, lexical, rerank) by the wall clock, then once more under
 ``torch.profiler``: host and, on CUDA, device time per operator, and how much of the wall the device was
 busy. With the ONNX backend the models run outside PyTorch; ``bench/rerank_ops.py`` profiles those per
-operator. ``--no-lexical`` answers without the bundle's lexical stage (its cost: the difference of two runs).
+operator. ``--no-lexical`` answers without the bundle's lexical stage (its cost: the difference of two runs);
+``--padded`` runs the PyTorch backend's batches with their padding, as before packing (on CUDA the backend
+packs them where PyTorch has variable-length attention).
 
     python bench/serve_profile.py --bundle artifacts/gpu-bench --backend torch --device cuda \\
         --n-r 100 --batch 1 64 --out docs/serve-profile-gpu.json
@@ -64,6 +66,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=128, help="test contexts per batch size")
     p.add_argument("--top", type=int, default=15, help="operators listed per batch size")
     p.add_argument("--no-lexical", action="store_true", help="without the bundle's lexical stage")
+    p.add_argument("--padded", action="store_true", help="the PyTorch backend's batches not packed")
     p.add_argument("--out", type=Path, help="write the result as JSON here too")
     args = p.parse_args()
     if min(args.n_r, args.requests, args.top, args.threads, *args.batch) < 1:
@@ -76,12 +79,18 @@ def main() -> None:
         bundle = search_on(load_bundle(args.bundle), args.device)
     except BundleError as exc:
         raise SystemExit(f"--bundle: {exc}") from None
-    ranking = pipeline(bundle, make_backend(bundle, args.backend, args.threads, args.device))
+    backend = make_backend(bundle, args.backend, args.threads, args.device)
+    models = [m for m in (getattr(backend, "bi", None), getattr(backend, "cross", None)) if m is not None]
+    if args.padded:
+        for model in models:
+            model.packs = False
+    ranking = pipeline(bundle, backend)
     if args.no_lexical:
         ranking.lexical = None
     contexts = [p.context for p in load_chitchat()["test"][: args.requests]]
     result: dict = provenance() | {"bundle": args.bundle, "device": args.device, "n_r": args.n_r,
-                                   "lexical": ranking.lexical is not None, "rows": []}  # fmt: skip
+                                   "lexical": ranking.lexical is not None,
+                                   "packed": any(m.packs for m in models), "rows": []}  # fmt: skip
     for size in args.batch:
         batches = [[Query(tuple(c)) for c in contexts[i : i + size]] for i in range(0, len(contexts), size)]
         answer(ranking, batches[0], args.n_r, cuda)  # warm-up: caches, kernels, allocator

@@ -23,7 +23,7 @@ from transformers import PreTrainedModel
 
 from coreply.device import cpu_has_bf16_dot
 from coreply.knowledge import KnowledgeSelector
-from coreply.models import BiEncoder, CrossEncoder, PolyEncoder, batched
+from coreply.models import BiEncoder, CrossEncoder, PolyEncoder, batched, varlen_attn
 from coreply.tokenization import Batch, DialogueTokenizer, score_by_tokens
 
 ONNX_FILES = {"context": "context.onnx", "response": "response.onnx", "cross": "cross.onnx"}
@@ -92,9 +92,11 @@ class TorchBackend(_Knowledge):
         cross: CrossEncoder | None,
         max_batch_tokens: int | None = None,
         bf16: bool = False,
+        packed: bool | None = None,
     ) -> None:
         """Batches are the models' own, sized for their device (:func:`coreply.device.batch_scale`);
-        ``max_batch_tokens`` overrides the reranker's padded tokens a batch."""
+        ``max_batch_tokens`` overrides the reranker's padded tokens a batch. ``packed`` (default: on CUDA
+        where PyTorch has variable-length attention) runs them without their padding."""
         self.name = "torch-bf16" if bf16 else "torch"
         if bf16 and bi.device.type == "cpu":  # CUDA already runs bf16 under autocast
             if not cpu_has_bf16_dot():
@@ -103,6 +105,11 @@ class TorchBackend(_Knowledge):
                 )
             bi, cross = bi.to(torch.bfloat16), cross.to(torch.bfloat16) if cross is not None else None
         self.bi, self.cross = bi, cross
+        if packed is None:
+            packed = bi.device.type == "cuda" and varlen_attn is not None
+        for model in (bi, cross):
+            if model is not None:
+                model.packs = packed
         self.cpu_torch = bi.device.type == "cpu"
         self.max_batch_tokens = max_batch_tokens
         self.dim = bi.dim

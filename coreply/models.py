@@ -157,10 +157,16 @@ class _Encoder(nn.Module):
         super().__init__()
         self.config = config
         self.tokenizer = DialogueTokenizer(tokenizer, config)
+        self.packs = False  # inference batches (embed_*, score_pairs) packed: see model_input
 
     @property
     def device(self) -> torch.device:
         return next(self.parameters()).device
+
+    def model_input(self, batch: Batch) -> Batch:
+        """An inference batch on the model's device; packed (no compute on padding) when ``packs`` is set,
+        which :class:`coreply.inference.TorchBackend` does on CUDA where ``varlen_attn`` exists."""
+        return (batch.packed() if self.packs else batch).to(self.device)
 
     def backbone_config(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -254,7 +260,7 @@ class BiEncoder(_Encoder):
         size = batch_size or 64 * batch_scale(self.device)
         with torch.inference_mode(), autocast(self.device):
             return batched(
-                contexts, size, lambda chunk: encode(self.tokenizer.contexts(chunk).to(self.device))
+                contexts, size, lambda chunk: encode(self.model_input(self.tokenizer.contexts(chunk)))
             )
 
     def embed_contexts(
@@ -270,7 +276,7 @@ class BiEncoder(_Encoder):
             return batched(
                 responses,
                 batch_size or 128 * batch_scale(self.device),
-                lambda chunk: self.encode_response(self.tokenizer.responses(chunk).to(self.device)),
+                lambda chunk: self.encode_response(self.model_input(self.tokenizer.responses(chunk))),
             )
 
 
@@ -438,7 +444,7 @@ class CrossEncoder(_Encoder):
         """Score (contexts[i], responses[i]), grounded on ``knowledge[i]`` when given and the model reads
         knowledge, for many pairs (float32, on CPU): [N], in length-sorted chunks of at most
         ``max_tokens`` padded tokens (default: 4,096 scaled to the device)."""
-        run = lambda batch: self(batch.to(self.device)).float().cpu().numpy()  # noqa: E731
+        run = lambda batch: self(self.model_input(batch)).float().cpu().numpy()  # noqa: E731
         budget = max_tokens or 4096 * batch_scale(self.device)
         with autocast(self.device):
             scores = score_by_tokens(self.tokenizer, contexts, responses, budget, run, knowledge)

@@ -83,3 +83,27 @@ def test_variable_length_attention_gets_each_rows_tokens_as_one_sequence(tiny_mo
     assert len(calls) == len(cross.backbone.encoder.layer)
     assert calls[0] == batch.packed().packing.cu_seqlens.tolist()
     assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_the_torch_backend_packs_only_where_asked_or_on_cuda_and_answers_alike(tiny_model_dir, monkeypatch):
+    from coreply.inference import TorchBackend
+    from coreply.tokenization import Batch
+
+    bi, _, cross, _ = (m.eval() for m in models_of(tiny_model_dir))
+    assert not TorchBackend(bi, cross).bi.packs  # the CPU default: padded batches (nothing to gain)
+    packings, pack = [], Batch.packed
+    monkeypatch.setattr(Batch, "packed", lambda self: packings.append(1) or pack(self))
+    answers = []
+    for packed in (False, True):
+        backend = TorchBackend(bi, cross, packed=packed)
+        assert bi.packs == cross.packs == packed
+        packings.clear()
+        answers.append(
+            [
+                backend.encode_contexts(CONTEXTS),
+                backend.encode_responses(RESPONSES),
+                backend.score_pairs(CONTEXTS, RESPONSES),
+            ]
+        )
+        assert len(packings) == (3 if packed else 0)  # contexts, responses, pairs: one batch each
+    assert all(abs(a - b).max() < 1e-5 for a, b in zip(*answers, strict=True))

@@ -25,6 +25,7 @@ def test_serve_profile_times_every_stage_and_lists_operators(tmp_path, tiny_bund
           "--batch", "1", "2", "--requests", "4", "--top", "5", "--out", str(out))  # fmt: skip
     result = json.loads(out.read_text())
     assert result["date"] and result["n_r"] == 3 and [r["batch"] for r in result["rows"]] == [1, 2]
+    assert result["packed"] is False  # a CPU's PyTorch backend pads (CUDA's packs)
     for row in result["rows"]:
         stages = row["ms_per_batch"]
         assert row["batches"] == 4 // row["batch"] and stages["rerank"] > 0 and stages["encode"] > 0
