@@ -189,9 +189,9 @@ def measure(
 
 @torch.no_grad()
 def packed_check(model: ModelConfig, pairs, device: torch.device, n: int = 256) -> dict[str, Any]:
-    """How far packed input's scores are from padded input's: the untrained reranker in eval mode on the
-    first ``n`` (context, gold) pairs, under the training autocast; ``varlen``: whether ``varlen_attn``
-    ran."""
+    """How far packed input's scores are from padded input's, beside how far the training autocast's are
+    from float32 (``autocast_noise``: what rounding alone moves): the untrained reranker in eval mode on
+    the first ``n`` (context, gold) pairs; ``varlen``: whether ``varlen_attn`` ran."""
     cross = CrossEncoder.from_pretrained(model).to(device).eval()
     batch = cross.tokenizer.pairs([p.context for p in pairs[:n]], [p.response for p in pairs[:n]])
     calls, ready = [0], models._varlen_ready
@@ -202,6 +202,7 @@ def packed_check(model: ModelConfig, pairs, device: torch.device, n: int = 256) 
 
     models._varlen_ready = counted
     try:
+        fp32 = cross(batch.to(device)).float()
         with autocast(device):
             padded = cross(batch.to(device)).float()
             packed = cross(batch.packed().to(device)).float()
@@ -210,6 +211,7 @@ def packed_check(model: ModelConfig, pairs, device: torch.device, n: int = 256) 
     return {
         "pairs": len(batch.input_ids),
         "max_abs_diff": round(float((packed - padded).abs().max()), 5),
+        "autocast_noise": round(float((padded - fp32).abs().max()), 5),
         "score_std": round(float(padded.std()), 5),
         "varlen": calls[0] > 0,
     }

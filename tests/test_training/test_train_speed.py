@@ -35,4 +35,7 @@ def test_train_speed_reports_throughput_padding_and_utilisation_per_mode_and_var
     # chunking the reranker's pairs by a token budget pads less than one batch padded to the longest
     assert rows["core", "chunks=64"]["padding_share"] < rows["core", "base"]["padding_share"]
     assert rows["core", "packed"]["padding_share"] == 0  # packed: no compute on padding at all
+    check = result["packed_check"]  # on a CPU: padded attention over the packed tokens, the same scores
+    assert check["pairs"] == 256 and check["max_abs_diff"] < 1e-4 < check["score_std"] and not check["varlen"]
+    assert check["autocast_noise"] == 0  # no autocast on a CPU
     assert "cross_loss" not in rows["distill", "base"]["losses"]  # distill trains the retriever only
