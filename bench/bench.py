@@ -168,6 +168,12 @@ class Server:
         self.process.wait(timeout=60)
 
 
+def respond_body(context: list[str], n_r: int, fusion: str) -> dict:
+    """A POST /respond body; fusion "default" names none, as a client that takes the bundle's own
+    (gated) answers does."""
+    return {"context": context, "n_candidates": n_r} | ({} if fusion == "default" else {"fusion": fusion})
+
+
 async def load(
     url: str, contexts: list[list[str]], n_r: int, concurrency: int, fusion: str = "rerank"
 ) -> dict:
@@ -179,9 +185,7 @@ async def load(
     async def worker(client: httpx.AsyncClient) -> None:
         while queue:
             i, context = queue.pop(0)
-            body = {"context": context, "n_candidates": n_r}
-            if fusion != "default":  # default: name none, as a client that takes the bundle's (gated) does
-                body["fusion"] = fusion
+            body = respond_body(context, n_r, fusion)
             start = time.perf_counter()
             response = await client.post(url + "/respond", json=body)
             latencies.append(1000 * (time.perf_counter() - start))

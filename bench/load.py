@@ -25,6 +25,7 @@ from bench import (  # bench/bench.py: this script's directory is on sys.path
     load,
     percentiles,
     provenance,
+    respond_body,
 )
 
 
@@ -39,8 +40,7 @@ async def open_loop(
     async def one(client: httpx.AsyncClient, context: list[str]) -> None:
         start = time.perf_counter()
         try:
-            body = {"context": context, "n_candidates": n_r, "fusion": fusion}
-            r = await client.post(url + "/respond", json=body)
+            r = await client.post(url + "/respond", json=respond_body(context, n_r, fusion))
             codes[str(r.status_code)] += 1
             if r.status_code == 200:
                 admitted_ms.append(1000 * (time.perf_counter() - start))
@@ -78,7 +78,12 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=60.0)
     p.add_argument("--queue-max", type=int, default=256, help="COREPLY_QUEUE_MAX for the server")
     p.add_argument("--n-r", type=int, default=10, help="n_candidates of every request")
-    p.add_argument("--fusion", default="retrieval", help="fusion of every request")
+    p.add_argument(
+        "--fusion",
+        default="retrieval",
+        choices=["retrieval", "rerank", "sum", "zscore", "default"],
+        help="fusion of every request (default: none named, the bundle's own answers)",
+    )
     p.add_argument("--cascade", action="store_true", help="leave the load-adaptive cascade on")
     p.add_argument("--out", required=True)
     args = p.parse_args()

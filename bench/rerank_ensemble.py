@@ -10,9 +10,11 @@ against the bundle's own reranker summed with it (the single-reranker answer a b
 cases the gold came first in, to pair with other runs; and each score's mean spread within a list (how
 much it can move a sum).
 
-    python bench/rerank_ensemble.py --bundle artifacts/cand-r11-hard-gate \\
-        --cross docs/lease-2026-11-27-1155/core-long-cross-r32 --split test --limit 2000 \\
-        --out docs/rerank-ensemble-test.json
+    python bench/rerank_ensemble.py --bundle artifacts/default-bundle \\
+        --cross docs/lease-DATE/core-hard-r10-cross-r32 --split test --limit 2000 \\
+        --out docs/rerank-ensemble-test.json   # a lease's reranker (DATE: its folder) against the shipped
+
+(results.md §43 ran it with the then-candidate bundle and a reranker that has since left the tree.)
 """
 
 from __future__ import annotations
