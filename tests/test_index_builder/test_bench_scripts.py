@@ -65,6 +65,15 @@ def test_rerank_ops_profiles_the_onnx_reranker(tiny_bundle):
     assert "of 4 requests" in run.stdout and "MatMul" in table and "SkipLayerNormalization" not in table
 
 
+def test_load_sends_a_fixed_rate_and_takes_the_bundles_own_fusion(tmp_path, tiny_bundle):
+    out = tmp_path / "load.json"
+    bench("load.py", "--bundle", str(tiny_bundle), "--rps", "10", "--seconds", "1", "--fusion", "default",
+          "--out", str(out))  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["sent"] in (10, 11) and result["codes"] == {"200": result["sent"]}  # every one answered
+    assert result["shed_503"] == 0 and result["admitted_latency_ms"]["p50"] > 0
+
+
 def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):
     other = tmp_path / "other.json"  # a restatement_guard run on another split: nothing to pair with
     other.write_text(json.dumps({"top1_cases": {}, "meta": {"split": "valid", "pairs": 2000}}))
