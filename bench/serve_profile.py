@@ -66,7 +66,9 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=128, help="test contexts per batch size")
     p.add_argument("--top", type=int, default=15, help="operators listed per batch size")
     p.add_argument("--no-lexical", action="store_true", help="without the bundle's lexical stage")
-    p.add_argument("--padded", action="store_true", help="the PyTorch backend's batches not packed")
+    p.add_argument(
+        "--padded", action="store_true", help="the PyTorch backend's batches not packed (COREPLY_PACKED=0)"
+    )
     p.add_argument("--out", type=Path, help="write the result as JSON here too")
     args = p.parse_args()
     if min(args.n_r, args.requests, args.top, args.threads, *args.batch) < 1:
@@ -79,11 +81,8 @@ def main() -> None:
         bundle = search_on(load_bundle(args.bundle), args.device)
     except BundleError as exc:
         raise SystemExit(f"--bundle: {exc}") from None
-    backend = make_backend(bundle, args.backend, args.threads, args.device)
+    backend = make_backend(bundle, args.backend, args.threads, args.device, packed=not args.padded)
     models = [m for m in (getattr(backend, "bi", None), getattr(backend, "cross", None)) if m is not None]
-    if args.padded:
-        for model in models:
-            model.packs = False
     ranking = pipeline(bundle, backend)
     if args.no_lexical:
         ranking.lexical = None

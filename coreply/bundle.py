@@ -452,10 +452,12 @@ def search_on(bundle: Bundle, device: str) -> Bundle:
     return replace(bundle, index=searcher(bundle.index, bundle.manifest["index"]["factory"], device))
 
 
-def make_backend(bundle: Bundle, backend: str = "auto", threads: int = 1, device: str = "cpu"):
+def make_backend(
+    bundle: Bundle, backend: str = "auto", threads: int = 1, device: str = "cpu", packed: bool = True
+):
     """The bundle's models behind :class:`coreply.inference.Backend`: ``onnx`` (needs ``onnx/`` in the
     bundle), ``torch``, ``torch-bf16`` (on a CPU the weights cast to bf16), or ``auto`` (ONNX when
-    exported, else PyTorch)."""
+    exported, else PyTorch). ``packed``: let PyTorch run batches without padding where it pays (CUDA)."""
     from coreply.checkpoint import load_checkpoint, load_dialogue_tokenizer
     from coreply.device import set_threads
     from coreply.inference import OnnxBackend, TorchBackend
@@ -471,7 +473,9 @@ def make_backend(bundle: Bundle, backend: str = "auto", threads: int = 1, device
         cross = (
             load_checkpoint(bundle.model_dir("cross"), device, expect="cross") if bundle.has_cross else None
         )
-        chosen = TorchBackend(bi, cross, bf16=backend == "torch-bf16")  # type: ignore[arg-type]
+        chosen = TorchBackend(  # type: ignore[arg-type]
+            bi, cross, bf16=backend == "torch-bf16", packed=None if packed else False
+        )
     else:
         chosen = OnnxBackend(
             bundle.root / "onnx",

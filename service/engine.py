@@ -202,7 +202,7 @@ def load_engine(settings: Settings, metrics: Metrics) -> Engine:
     bundle = search_on(load_bundle(settings.bundle), device)
     if settings.threads:
         threads = settings.threads
-        backend = make_backend(bundle, settings.backend, threads, device)
+        backend = make_backend(bundle, settings.backend, threads, device, settings.packed)
     else:
         backend, threads = fastest_backend(bundle, settings, device)
     return Engine(bundle, backend, threads, settings, metrics)
@@ -216,7 +216,7 @@ def fastest_backend(bundle: Bundle, settings: Settings, device: str) -> tuple[Ba
     texts = bundle.texts[: settings.default_candidates]
     timed = []
     for threads in candidates:
-        backend = make_backend(bundle, settings.backend, threads, device)
+        backend = make_backend(bundle, settings.backend, threads, device, settings.packed)
         runs = []
         for _ in range(4):
             t = time.perf_counter()

@@ -23,6 +23,11 @@ class Settings(BaseSettings):
         "CPU with AMX faster than int8 ONNX at large n_r and closer to fp32; docs/performance.md 10)",
     )
     device: str = Field("cpu", description="auto (CUDA if the host has it), cpu, cuda or cuda:N")
+    packed: bool = Field(
+        True,
+        description="on CUDA, the PyTorch backend runs batches without their padding where PyTorch has "
+        "variable-length attention (docs/results.md 50); off: padded batches, as before",
+    )
     threads: int = Field(
         0, ge=0, le=256, description="intra-op threads; 0 = measure 1 vs all cores, keep the faster"
     )
