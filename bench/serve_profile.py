@@ -82,14 +82,14 @@ def main() -> None:
     except BundleError as exc:
         raise SystemExit(f"--bundle: {exc}") from None
     backend = make_backend(bundle, args.backend, args.threads, args.device, packed=not args.padded)
-    models = [m for m in (getattr(backend, "bi", None), getattr(backend, "cross", None)) if m is not None]
     ranking = pipeline(bundle, backend)
     if args.no_lexical:
         ranking.lexical = None
     contexts = [p.context for p in load_chitchat()["test"][: args.requests]]
     result: dict = provenance() | {"bundle": args.bundle, "device": args.device, "n_r": args.n_r,
                                    "lexical": ranking.lexical is not None,
-                                   "packed": any(m.packs for m in models), "rows": []}  # fmt: skip
+                                   "packed": getattr(getattr(backend, "bi", None), "packs", False),
+                                   "rows": []}  # fmt: skip
     for size in args.batch:
         batches = [[Query(tuple(c)) for c in contexts[i : i + size]] for i in range(0, len(contexts), size)]
         answer(ranking, batches[0], args.n_r, cuda)  # warm-up: caches, kernels, allocator

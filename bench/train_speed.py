@@ -44,13 +44,12 @@ from torch.profiler import ProfilerActivity, profile
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from bench import device_busy_share, operators, provenance  # bench/bench.py: this directory is on sys.path
-from coreply import models
 from coreply.artifacts import write_json_atomic
 from coreply.checkpoint import save_checkpoint
 from coreply.config import ModelConfig
 from coreply.corpus import build_pool, load_chitchat
 from coreply.device import autocast, resolve_device
-from coreply.models import CrossEncoder
+from coreply.models import CrossEncoder, varlen_attn
 from training.config import MODES, TrainConfig
 from training.trainer import Trainer
 
@@ -191,29 +190,19 @@ def measure(
 def packed_check(model: ModelConfig, pairs, device: torch.device, n: int = 256) -> dict[str, Any]:
     """How far packed input's scores are from padded input's, beside how far the training autocast's are
     from float32 (``autocast_noise``: what rounding alone moves): the untrained reranker in eval mode on
-    the first ``n`` (context, gold) pairs; ``varlen``: whether ``varlen_attn`` ran."""
+    the first ``n`` (context, gold) pairs; ``varlen``: whether ``varlen_attn`` runs here."""
     cross = CrossEncoder.from_pretrained(model).to(device).eval()
     batch = cross.tokenizer.pairs([p.context for p in pairs[:n]], [p.response for p in pairs[:n]])
-    calls, ready = [0], models._varlen_ready
-
-    def counted(q: torch.Tensor) -> bool:
-        calls[0] += ready(q)
-        return ready(q)
-
-    models._varlen_ready = counted
-    try:
-        fp32 = cross(batch.to(device)).float()
-        with autocast(device):
-            padded = cross(batch.to(device)).float()
-            packed = cross(batch.packed().to(device)).float()
-    finally:
-        models._varlen_ready = ready
+    fp32 = cross(batch.to(device)).float()
+    with autocast(device):
+        padded = cross(batch.to(device)).float()
+        packed = cross(batch.packed().to(device)).float()
     return {
         "pairs": len(batch.input_ids),
         "max_abs_diff": round(float((packed - padded).abs().max()), 5),
         "autocast_noise": round(float((padded - fp32).abs().max()), 5),
         "score_std": round(float(padded.std()), 5),
-        "varlen": calls[0] > 0,
+        "varlen": device.type == "cuda" and varlen_attn is not None,  # autocast: bf16 queries there
     }
 
 
