@@ -115,6 +115,8 @@ def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):
             ["--bundle", str(tiny_bundle), "--cross", str(tiny_core / "cross"), str(tiny_bundle / "cross")],
             f"--cross {tiny_bundle / 'cross'}: another --cross",
         ),
+        ("own_turns.py", ["--cross", str(tmp_path)], f"--cross {tmp_path}: "),
+        ("own_turns.py", ["--cross", *[str(tiny_core / "cross")] * 2], "--cross: "),
         ("guard_rules.py", ["--words", "0.995", "1"], "--words: "),
         ("guard_rules.py", ["--depth", "3"], "--depth"),
         ("guard_rules.py", ["--bundle", str(tmp_path)], "--bundle: "),
@@ -277,6 +279,23 @@ def test_rerank_ensemble_sums_every_set_of_rerankers_on_the_same_candidates(tmp_
         assert own["top1_cases"] == again["top1_cases"] and again["wins_losses_vs_own"] == [0, 0]
     for name, row in rows.items():
         assert 0 <= row["hits@1"] <= 100 and (name == "first stage" or 0 <= row["p_beats_own"] <= 1)
+
+
+def test_own_turns_scores_the_reply_against_the_contexts_own_turns(tmp_path, tiny_core):
+    out = tmp_path / "own.json"
+    copy = tmp_path / "copy"  # the same reranker again: it must prefer the reply exactly as often
+    shutil.copytree(tiny_core / "cross", copy)
+    bench("own_turns.py", "--cross", str(tiny_core / "cross"), str(copy), "--split", "valid", "--limit", "12",
+          "--out", str(out))  # fmt: skip
+    result = json.loads(out.read_text())
+    first, again = result["rows"][str(tiny_core / "cross")], result["rows"][str(copy)]
+    assert result["pairs"] == "valid[0:12]" and first["pairs"] == 12
+    assert 0 < first["pairs with a last turn"] <= 12
+    for name in ("last", "before last", "either"):
+        assert 0 <= first[f"{name} above reply %"] <= 100
+        assert first[f"{name} above reply %"] == again[f"{name} above reply %"]
+    assert first["either above reply %"] >= first["last above reply %"] * first["pairs with a last turn"] / 12
+    assert again["vs first: wins, losses"] == [0, 0]
 
 
 def test_guard_rules_drop_what_each_rule_flags_and_pair_every_rule_with_the_served_guard(
