@@ -26,11 +26,12 @@ from bench import add_pairs_args, chosen_pairs, provenance  # bench/bench.py: th
 from coreply.artifacts import write_json_atomic
 from coreply.checkpoint import load_checkpoint
 from coreply.checkpoint_meta import CheckpointError
+from coreply.models import CrossEncoder
 from coreply.text import normalize
 from evaluation.metrics import paired_bootstrap
 
 
-def own_turn_scores(cross, pairs: list) -> dict[str, np.ndarray]:
+def own_turn_scores(cross: CrossEncoder, pairs: list) -> dict[str, np.ndarray]:
     """Scores [N] of each pair's reply and of its context's last and second-last turns (NaN where the
     context has no such turn or it equals the reply)."""
     contexts = [list(p.context) for p in pairs]
