@@ -23,10 +23,10 @@ def test_shipped_weights_verify_and_name_the_installed_base_model():
 
 @pytest.mark.parametrize("path", [DEFAULT_CROSS, DEFAULT_BI.parent / "core-cross-r32"], ids=lambda p: p.name)
 def test_shipped_rerankers_verify_and_name_the_installed_base_model(path):
-    """``default-cross/`` is the default bundle's reranker; ``core-cross-r32/`` travels to the GPU host with
-    the tree (scripts/gpu_lease.sh's residual-core run starts from it). Both must load there as here:
-    their base named by fp16 fingerprint (what loading checks), and ``core-cross-r32/``, made here, by
-    sha256 too (``default-cross/`` names the copy widened from fp16 on the GPU host that trained it)."""
+    """``default-cross/`` is the default bundle's reranker; both travel to the GPU host with the tree
+    (scripts/gpu_lease.sh's core-warm run starts from the first, residual-core from the second) and must
+    load there as here: their base named by fp16 fingerprint (what loading checks), and
+    ``core-cross-r32/``, made here, by sha256 too (``default-cross/`` names the copy widened from fp16 on the GPU host that trained it)."""
     meta = read_meta(path)
     assert meta["kind"] == "cross" and set(meta["files"]) == {"adapter.safetensors"}
     config = ModelConfig.from_dict(meta["model_config"])
