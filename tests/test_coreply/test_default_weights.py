@@ -26,7 +26,8 @@ def test_shipped_rerankers_verify_and_name_the_installed_base_model(path):
     """``default-cross/`` is the default bundle's reranker; both travel to the GPU host with the tree
     (scripts/gpu_lease.sh's core-warm run starts from the first, residual-core from the second) and must
     load there as here: their base named by fp16 fingerprint (what loading checks), and
-    ``core-cross-r32/``, made here, by sha256 too (``default-cross/`` names the copy widened from fp16 on the GPU host that trained it)."""
+    ``core-cross-r32/``, made here, by sha256 too (``default-cross/`` names the copy widened from fp16 on
+    the GPU host that trained it)."""
     meta = read_meta(path)
     assert meta["kind"] == "cross" and set(meta["files"]) == {"adapter.safetensors"}
     config = ModelConfig.from_dict(meta["model_config"])
