@@ -11,7 +11,7 @@ cases the gold came first in, to pair with other runs; and each score's mean spr
 much it can move a sum).
 
     python bench/rerank_ensemble.py --bundle artifacts/default-bundle \\
-        --cross docs/lease-DATE/core-hard-r10-cross-r32 --split test --limit 2000 \\
+        --cross docs/lease-DATE/core-warm-cross-r32 --split test --limit 2000 \\
         --out docs/rerank-ensemble-test.json   # a lease's reranker (DATE: its folder) against the shipped
 
 (results.md §43 ran it with the then-candidate bundle and a reranker that has since left the tree.)

@@ -49,7 +49,7 @@ from coreply.checkpoint import save_checkpoint
 from coreply.config import ModelConfig
 from coreply.corpus import build_pool, load_chitchat
 from coreply.device import autocast, resolve_device
-from coreply.models import CrossEncoder, varlen_attn
+from coreply.models import CrossEncoder, varlen_runs_on
 from training.config import MODES, TrainConfig
 from training.trainer import Trainer
 
@@ -202,7 +202,7 @@ def packed_check(model: ModelConfig, pairs, device: torch.device, n: int = 256) 
         "max_abs_diff": round(float((packed - padded).abs().max()), 5),
         "autocast_noise": round(float((padded - fp32).abs().max()), 5),
         "score_std": round(float(padded.std()), 5),
-        "varlen": device.type == "cuda" and varlen_attn is not None,  # autocast: bf16 queries there
+        "varlen": varlen_runs_on(device),  # autocast: half-precision queries there
     }
 
 

@@ -23,7 +23,7 @@ from transformers import PreTrainedModel
 
 from coreply.device import cpu_has_bf16_dot
 from coreply.knowledge import KnowledgeSelector
-from coreply.models import BiEncoder, CrossEncoder, PolyEncoder, batched, varlen_attn
+from coreply.models import BiEncoder, CrossEncoder, PolyEncoder, batched, varlen_runs_on
 from coreply.tokenization import Batch, DialogueTokenizer, score_by_tokens
 
 ONNX_FILES = {"context": "context.onnx", "response": "response.onnx", "cross": "cross.onnx"}
@@ -106,7 +106,7 @@ class TorchBackend(_Knowledge):
             bi, cross = bi.to(torch.bfloat16), cross.to(torch.bfloat16) if cross is not None else None
         self.bi, self.cross = bi, cross
         if packed is None:
-            packed = bi.device.type == "cuda" and varlen_attn is not None
+            packed = varlen_runs_on(bi.device)
         for model in (bi, cross):
             if model is not None:
                 model.packs = packed

@@ -122,9 +122,15 @@ def backbone_hidden(backbone: PreTrainedModel, batch: Batch) -> torch.Tensor:
     return x.new_zeros(n * length, x.shape[-1]).index_copy(0, index, x).view(n, length, -1)
 
 
+def varlen_runs_on(device: torch.device) -> bool:
+    """Whether packed batches get ``varlen_attn`` on this device (this PyTorch has it, the device is
+    CUDA; the queries must also be half precision, which autocast gives there)."""
+    return varlen_attn is not None and device.type == "cuda"
+
+
 def _varlen_ready(q: torch.Tensor) -> bool:
     """Whether ``varlen_attn`` can run on these queries: FlashAttention wants CUDA and half precision."""
-    return varlen_attn is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+    return varlen_runs_on(q.device) and q.dtype in (torch.float16, torch.bfloat16)
 
 
 def _packed_attention(attention: nn.Module, x: torch.Tensor, batch: Batch) -> torch.Tensor:
