@@ -69,7 +69,8 @@ def main() -> None:
     print(f"{OWN}: {1000 * scores[OWN].rerank_s / len(pairs):.0f} ms a context", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for name, cross in extra.items():
-            export_onnx(bi, cross, Path(tmp) / name, "int8")  # type: ignore[arg-type]  # as a bundle serves it
+            # as a bundle serves it: int8, smoothed on its pool
+            export_onnx(bi, cross, Path(tmp) / name, "int8", calibration=ranking.texts)  # type: ignore[arg-type]
             backend.cross = backend.cross_session(Path(tmp) / name / ONNX_FILES["cross"])
             scores[name] = rerank(pairs, recalled, ranking, N_R)
             print(f"{name}: {1000 * scores[name].rerank_s / len(pairs):.0f} ms a context", flush=True)

@@ -7,7 +7,10 @@ the checkpoint itself in PyTorch, fp32 or cast to bf16 (``coreply serve --backen
 docs/performance.md §18).
 ``--keep-fp32 REGEX ...`` adds, per pattern, the served variant with the matrix products whose ONNX node
 name matches left in fp32 (e.g. ``layer\\.5/`` the last layer, ``/output/dense`` the feed-forward
-outputs): which ones lose most.
+outputs): which ones lose most. ``--smooth ALPHA ...`` adds, per alpha, that variant of a copy whose
+products' inputs are smoothed first on pairs of the bundle's pool (coreply.smoothing; what an int8
+bundle serves since recipe 13, at its ALPHA: docs/results.md §53). The variants named in ``--variants``
+are quantised without smoothing.
 
 Per variant: how close its scores are to fp32's (Pearson r over all pairs; % of lists whose reranked
 top-1 is fp32's), the milliseconds to score one context's 10 pairs (each pair run alone, as served), and
@@ -48,6 +51,7 @@ from coreply.inference import (
     export_onnx,
     quantize_graph,
 )
+from coreply.smoothing import calibration_pairs, smoothed
 from coreply.text import normalize
 from evaluation.metrics import paired_bootstrap
 from evaluation.protocols import Retrieved, ranks_for, rerank, retrieve_and_rerank
@@ -63,12 +67,22 @@ def main() -> None:
     add_pairs_args(p, "test", 0, 2000)
     p.add_argument("--variants", nargs="+", default=["fp32", INT8], help="ONNX fp32, int8 variants, torch*")
     p.add_argument("--keep-fp32", nargs="+", default=[], metavar="REGEX", help="the served int8, these fp32")
+    p.add_argument(
+        "--smooth",
+        type=float,
+        nargs="+",
+        default=[],
+        metavar="ALPHA",
+        help="the served int8, smoothed at ALPHA",
+    )
     p.add_argument("--weights", type=float, nargs="+", default=[0.3, 0.4, 0.5, 0.6], help="z-score weights")
     args = p.parse_args()
     if bad := [v for v in args.variants if v not in VARIANTS]:
         raise SystemExit(f"--variants: each one of {', '.join(VARIANTS)}, got {' '.join(bad)}")
     if bad_w := [w for w in args.weights if not 0 <= w <= 1]:
         raise SystemExit(f"--weights: each between 0 and 1, got {bad_w}")
+    if bad_a := [a for a in args.smooth if not 0 <= a <= 1]:
+        raise SystemExit(f"--smooth: each between 0 and 1, got {bad_a}")
     try:
         keep = [re.compile(k) for k in args.keep_fp32]
     except re.error as exc:
@@ -92,11 +106,17 @@ def main() -> None:
         export_onnx(bi, cross, Path(tmp), "fp32")  # type: ignore[arg-type]
         fp32 = Path(tmp) / ONNX_FILES["cross"]
         products = [n.name for n in onnx.load(fp32).graph.node if n.op_type in ("MatMul", "Gemm")]
-        variants = {v: None if v in ("fp32", *TORCH) else (v, []) for v in args.variants}
+        # variant -> None (fp32 or PyTorch) or (the fp32 graph, the int8 variant, nodes left fp32)
+        variants = {v: None if v in ("fp32", *TORCH) else (fp32, v, []) for v in args.variants}
         for k in keep:
             if not (nodes := [n for n in products if k.search(n)]):
                 raise SystemExit(f"--keep-fp32 {k.pattern}: matches no matrix product in the reranker")
-            variants[f"{INT8}, fp32: {k.pattern}"] = (INT8, nodes)
+            variants[f"{INT8}, fp32: {k.pattern}"] = (fp32, INT8, nodes)
+        calibration = calibration_pairs(ranking.texts)
+        for alpha in args.smooth:  # its own fp32 graph, from the smoothed copy
+            out = Path(tmp) / f"smoothed-{alpha}"
+            export_onnx(bi, smoothed(cross, *calibration, alpha), out, "fp32")  # type: ignore[arg-type]
+            variants[f"{INT8}, smoothed {alpha}"] = (out / ONNX_FILES["cross"], INT8, [])
 
         recalled = retrieve_and_rerank(pairs, ranking, N_R, 0)
         print(f"{len(pairs)} contexts recalled", flush=True)
@@ -112,7 +132,8 @@ def main() -> None:
             else:
                 path = fp32 if how is None else Path(tmp) / f"variant-{len(scores)}.onnx"
                 if how is not None:
-                    quantize_graph(fp32, path, *how)
+                    source, int8, nodes = how
+                    quantize_graph(source, path, int8, nodes)
                 backend.cross = backend.cross_session(path)
                 ranking.score_pairs = backend.score_pairs
             got = reranked[variant] = rerank(pairs, recalled, ranking, N_R)

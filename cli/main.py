@@ -746,7 +746,10 @@ def _index_parser(sub) -> None:
     b.add_argument("--factory", default="Flat", help="FAISS factory string, e.g. Flat, IVF1024,Flat, HNSW32")
     b.add_argument("--search-params", default="", help="e.g. nprobe=16 or efSearch=128")
     b.add_argument(
-        "--onnx", choices=["int8", "fp32", "none"], default="int8", help="ONNX export for CPU serving"
+        "--onnx",
+        choices=["int8", "fp32", "none"],
+        default="int8",
+        help="ONNX export for CPU serving (int8: the reranker's graph smoothed on the pool first)",
     )
     b.add_argument(
         "--calibrate",

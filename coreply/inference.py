@@ -24,6 +24,7 @@ from transformers import PreTrainedModel
 from coreply.device import cpu_has_bf16_dot
 from coreply.knowledge import KnowledgeSelector
 from coreply.models import BiEncoder, CrossEncoder, PolyEncoder, batched, varlen_runs_on
+from coreply.smoothing import ALPHA, calibration_pairs, smoothed
 from coreply.tokenization import Batch, DialogueTokenizer, score_by_tokens
 
 ONNX_FILES = {"context": "context.onnx", "response": "response.onnx", "cross": "cross.onnx"}
@@ -96,7 +97,9 @@ class TorchBackend(_Knowledge):
     ) -> None:
         """Batches are the models' own, sized for their device (:func:`coreply.device.batch_scale`);
         ``max_batch_tokens`` overrides the reranker's padded tokens a batch. ``packed`` (default: on CUDA
-        where PyTorch has variable-length attention) runs them without their padding."""
+        where PyTorch has variable-length attention) runs them without their padding. The models become
+        the backend's: ``bf16`` casts them in place and ``packed`` is set on them, so pass copies of
+        models used elsewhere."""
         self.name = "torch-bf16" if bf16 else "torch"
         if bf16 and bi.device.type == "cpu":  # CUDA already runs bf16 under autocast
             if not cpu_has_bf16_dot():
@@ -207,9 +210,17 @@ def _export(module: nn.Module, example: Batch, inputs: list[str], path: Path) ->
         )
 
 
-def export_onnx(bi: BiEncoder, cross: CrossEncoder | None, out_dir: Path, precision: str = "int8") -> None:
+def export_onnx(
+    bi: BiEncoder,
+    cross: CrossEncoder | None,
+    out_dir: Path,
+    precision: str = "int8",
+    calibration: Sequence[str] = (),
+) -> dict[str, Any] | None:
     """Write ``context.onnx``, ``response.onnx`` and (with a reranker) ``cross.onnx`` into ``out_dir``;
-    ``int8``: int8 weights by :data:`INT8` (activations quantised on the fly), for CPU hosts."""
+    ``int8``: int8 weights by :data:`INT8` (activations quantised on the fly), for CPU hosts, the
+    reranker's from a copy smoothed on pairs of the ``calibration`` texts (a response pool; none: not
+    smoothed, :mod:`coreply.smoothing`). Returns how the reranker's graph was smoothed, or None."""
     if precision not in PRECISIONS:
         raise ValueError(f"onnx precision must be one of {PRECISIONS}, got {precision!r}")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -225,9 +236,14 @@ def export_onnx(bi: BiEncoder, cross: CrossEncoder | None, out_dir: Path, precis
             ["input_ids", "attention_mask"],
         ),
     ]
+    smoothing = None
     if cross is not None:
         pairs = cross.tokenizer.pairs(sample_ctx, sample_resp)
-        jobs.append(("cross", _CrossGraph(cross), pairs, ["input_ids", "attention_mask", "token_type_ids"]))
+        contexts, responses = calibration_pairs(calibration) if precision == "int8" else ([], [])
+        graph = smoothed(cross, contexts, responses)
+        if graph is not cross:
+            smoothing = {"alpha": ALPHA, "pairs": len(contexts)}
+        jobs.append(("cross", _CrossGraph(graph), pairs, ["input_ids", "attention_mask", "token_type_ids"]))
     for name, module, example, inputs in jobs:
         path = out_dir / ONNX_FILES[name]
         if precision == "fp32":
@@ -237,6 +253,7 @@ def export_onnx(bi: BiEncoder, cross: CrossEncoder | None, out_dir: Path, precis
         _export(module, example, inputs, fp32)
         quantize_graph(fp32, path)
         fp32.unlink()
+    return smoothing
 
 
 def quantize_graph(fp32: Path, out: Path, variant: str = INT8, keep_fp32: Sequence[str] = ()) -> None:

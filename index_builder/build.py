@@ -243,8 +243,7 @@ def build_bundle(
             _place_model(knowledge_retriever, "bi", tmp / "knowledge", str(torch_device))
         if grounded:
             write_knowledge(tmp, knowledge)
-        if onnx != "none":
-            export_onnx(bi_model, cross_model, tmp / "onnx", onnx)
+        smoothing = export_onnx(bi_model, cross_model, tmp / "onnx", onnx, pool) if onnx != "none" else None
         manifest: dict[str, Any] = {
             "models": {
                 "bi": _model_entry(tmp / "bi", bi),
@@ -252,6 +251,7 @@ def build_bundle(
             },
             "onnx": None if onnx == "none" else onnx,
             "onnx_int8": INT8 if onnx == "int8" else None,
+            "onnx_smoothing": smoothing,  # the reranker's int8 graph: coreply.smoothing
         }
         residual_to = manifest["models"]["cross"]["training"].get("residual_to") if cross else None
         if residual_to:  # a correction to one retriever's scores (--cross-residual): served as their sum

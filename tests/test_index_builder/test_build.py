@@ -332,6 +332,8 @@ def test_onnx_matches_torch(tmp_path, tiny_core, toy_pairs):
         )
         bundle = load_bundle(out)
         assert bundle.manifest["onnx_int8"] == ("int8-per-channel-7bit" if precision == "int8" else None)
+        smoothing = {"alpha": 0.75, "pairs": len(pool) - 2}  # every start of the toy pool
+        assert bundle.manifest["onnx_smoothing"] == (smoothing if precision == "int8" else None)
         results[precision] = make_backend(bundle, "onnx")
     reference = make_backend(load_bundle(tmp_path / "fp32"), "torch")
     flat_c = [c for c in contexts for _ in pool]
