@@ -19,8 +19,10 @@ with mined negatives in the seventh GPU lease, docs/results.md §39) reorders th
 candidates, fused as calibrated on the first 2,000 validation pairs (the sum, unless the z-score at its
 best weight is significantly better there), behind the rerank gate chosen on the same pairs
 (:mod:`coreply.gate`). It lifts hits@1 from 5.76 to 6.06 % over the 11,445 held-out pairs no choice was
-made on (p = 0.006, docs/results.md §48–§49), at about twice a lone request's CPU latency. Shipping
-other weights under either name, or changing the recipe, rebuilds an existing default bundle.
+made on (p = 0.006, docs/results.md §48–§49), at about twice a lone request's CPU latency. Since
+recipe 13 its int8 graph is smoothed first (:mod:`coreply.smoothing`, as every int8 export of a reranker
+now is), which keeps it closer to the reranker as trained (docs/results.md §53). Shipping other weights
+under either name, or changing the recipe, rebuilds an existing default bundle.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import coreply
 from coreply import lexical
 
 RECALL_QUERIES = 500
-RECIPE = "default bundle, recipe 12 (recipe 11 and the seventh lease's reranker, summed, behind its gate)"
+RECIPE = "default bundle, recipe 13 (recipe 12, the reranker's int8 graph smoothed)"
 """Recorded as the bundle's build command; a default bundle built by another recipe is rebuilt."""
 DEFAULT_BI = Path(coreply.__file__).parent / "weights" / "default-bi"
 DEFAULT_CROSS = Path(coreply.__file__).parent / "weights" / "default-cross"
