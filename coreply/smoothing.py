@@ -1,10 +1,10 @@
 """Activation smoothing for the reranker's int8 graph (SmoothQuant: Xiao et al., 2023).
 
 ONNX Runtime's dynamic int8 quantises each matrix product's input with one scale per call, so the few
-input channels that run 10-15 times larger than the rest (in MiniLM, the feed-forward inputs and the
-GELU outputs) take most of the 8 bits' range and the other channels keep 4-5 bits. Dividing input
-channel j by s_j and multiplying the weight's column j by s_j computes the same product in fp32 and moves
-that range into the weights, which are quantised per output channel:
+input channels that run 10-16 times larger than the median one (in the shipped MiniLM reranker, the
+feed-forward inputs and the GELU outputs) take most of the 8 bits' range and leave the rest about 4.
+Dividing input channel j by s_j and multiplying the weight's column j by s_j computes the same product in
+fp32 and moves that range into the weights, which are quantised per output channel:
 
     s_j = max|X_j| ** alpha / max|W_j| ** (1 - alpha)
 
