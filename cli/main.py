@@ -903,17 +903,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from service.server import serve
     from service.settings import DEFAULT_BUNDLE, Settings
 
-    overrides = {
-        k: getattr(args, k)
-        for k in ("bundle", "host", "port", "backend", "threads", "device")
-        if getattr(args, k) is not None
-    }
+    flags = ("bundle", "host", "port", "backend", "threads", "device")
+    overrides = {k: getattr(args, k) for k in flags if getattr(args, k) is not None}
     try:
         settings = Settings(**overrides)
     except ValidationError as exc:  # one line naming the setting, not pydantic's report
         first = exc.errors()[0]
         field = str(first["loc"][0]) if first["loc"] else ""
-        name = f"--{field.replace('_', '-')} / COREPLY_{field.upper()}" if field else "the settings"
+        flag = f"--{field.replace('_', '-')} / " if field in flags else ""  # the rest are environment only
+        name = f"{flag}COREPLY_{field.upper()}" if field else "the settings"
         raise CliError(f"{name}: {first['msg'].removeprefix('Value error, ')}") from None
     from coreply.device import on_own_thread, resolve_device
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 from service.batching import DeadlineExceeded, Overloaded
 
@@ -81,7 +82,8 @@ def invalid(errors: list[dict]) -> JSONResponse:
 
 
 def install(app: FastAPI) -> None:
-    """Register the handlers: the table, validation errors, and the 500 fallback."""
+    """Register the handlers: the table, validation errors, the framework's HTTP errors, and the 500
+    fallback."""
 
     async def domain(request: Request, exc: Exception) -> JSONResponse:
         return for_exception(exc)
@@ -90,10 +92,18 @@ def install(app: FastAPI) -> None:
         assert isinstance(exc, RequestValidationError)
         return invalid(list(exc.errors()))
 
+    async def http(request: Request, exc: Exception) -> JSONResponse:
+        # the framework's own: no route (404), not its method (405, with Allow), a body its parser gave
+        # up on (400: nested too deeply, say); answered in the same shape as the rest
+        assert isinstance(exc, HTTPException)
+        message = f"body: {exc.detail}" if exc.status_code == 400 else str(exc.detail)
+        return error_response(exc.status_code, message, headers=exc.headers)
+
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:  # a bug: say so, keep serving
         return error_response(500, f"internal error ({type(exc).__name__}); this is a bug, please report it")
 
     for error in STATUS:
         app.add_exception_handler(error, domain)
     app.add_exception_handler(RequestValidationError, validation)
+    app.add_exception_handler(HTTPException, http)
     app.add_exception_handler(Exception, unexpected)

@@ -21,7 +21,7 @@ from service.settings import Settings
 
 
 class RespondBase(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # NaN or 1e999: 422, not an empty answer
 
     @field_validator("context", "knowledge", check_fields=False)
     @classmethod

@@ -12,7 +12,7 @@ DEFAULT_BUNDLE = Path("artifacts/default-bundle")
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="COREPLY_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="COREPLY_", extra="ignore", allow_inf_nan=False)
 
     bundle: Path = Field(DEFAULT_BUNDLE, description="bundle directory (`coreply index build`)")
     host: str = "127.0.0.1"

@@ -70,6 +70,14 @@ def test_nonsense_values_are_refused_in_one_line_naming_the_flag(capsys, tmp_pat
     assert not (tmp_path / "R").exists()  # nothing was started
 
 
+def test_serve_names_an_environment_only_setting_without_a_flag(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("COREPLY_MIN_RETRIEVAL_SCORE", "nan")  # a threshold no score can reach
+    monkeypatch.setenv("COREPLY_BUNDLE", str(tmp_path / "none"))  # let through: an error, not a server
+    code, _, err = run(capsys, "serve")
+    assert code == 2 and "COREPLY_MIN_RETRIEVAL_SCORE: Input should be a finite number" in err, err
+    assert "--min-retrieval-score" not in err  # serve has no such flag
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this host has CUDA")
 def test_cuda_on_a_host_without_it_is_a_message_not_a_traceback_in_a_log_line(capsys):
     code, _, err = run(capsys, "serve", "--device", "cuda")

@@ -284,6 +284,28 @@ def test_body_limit_n_ok_n_plus_one_refused(client):
     assert len(over) == 2049 and client.post("/respond", content=over, headers=json_type).status_code == 413
 
 
+@pytest.mark.parametrize("number", ["NaN", "Infinity", "-1e999"])
+def test_scores_must_be_finite(client, number):
+    """Python's JSON reads NaN and overflowing numbers as floats: a threshold of NaN would drop every
+    response without a word, so it is refused by name."""
+    body = '{"context": ["hi"], "min_retrieval_score": ' + number + "}"
+    response = client.post("/respond", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 422 and response.json()["error"].startswith("min_retrieval_score:")
+
+
+def test_framework_errors_have_the_same_shape(client):
+    """No route, a wrong method and a body the parser gives up on answer {"error": ...} as every other
+    error does (the method one with its Allow header)."""
+    response = client.get("/nowhere")
+    assert response.status_code == 404 and response.json() == {"error": "Not Found"}
+    response = client.get("/respond")
+    assert response.status_code == 405 and response.json() == {"error": "Method Not Allowed"}
+    assert response.headers["allow"] == "POST"
+    deep = "[" * 1020 + "]" * 1020  # under the test's body limit, past the JSON parser's nesting
+    response = client.post("/respond", content=deep, headers={"content-type": "application/json"})
+    assert response.status_code == 400 and response.json()["error"].startswith("body:"), response.text
+
+
 def test_body_limits(client):
     response = client.post("/respond", content=json.dumps({"context": ["x" * 3000]}))
     assert response.status_code == 413 and "2048 bytes" in response.json()["error"]
