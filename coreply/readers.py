@@ -70,6 +70,8 @@ def read_pool(path: str | Path) -> tuple[list[str], list[dict[str, Any]]]:
     """A response pool: one response per line (``.txt``), or JSONL with a ``text`` field per line. Returns
     the texts and, per text, its record's other fields (a team's own id, intent, template name...;
     ``{}`` for ``.txt``), which the bundle keeps and ``/respond`` returns as ``metadata``."""
+    if not Path(path).is_file():
+        raise DataError(f"{path}: no such file")
     texts: list[str] = []
     metadata: list[dict[str, Any]] = []
     with _utf8(str(path)):

@@ -53,6 +53,7 @@ def own_data(tmp_path, toy_pairs):
         (["eval", "--bi", "zero-shot", "--out", "e.json", "--candidates", "1"], "--candidates: must be >= 2"),
         (["index", "build", "-o", "R", "--calibrate", "-1"], "argument --calibrate: must be >= 0"),
         (["index", "build", "-o", "R", "--prior-pairs", "gone.jsonl"], "gone.jsonl: no such file"),
+        (["index", "build", "-o", "R", "--pool", "gone.txt"], "gone.txt: no such file"),
         (["index", "build", "-o", "R", "--lexical", "1"], "--lexical: must be 'auto', 'off' or a weight in"),
         (["index", "build", "-o", "R", "--lexical", "most"], "--lexical: must be 'auto', 'off' or a weight"),
         (["index", "build", "-o", "R", "--lexical-depth", "1"], "argument --lexical-depth: must be >= 2"),

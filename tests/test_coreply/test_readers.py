@@ -85,6 +85,9 @@ def test_pool_reader_and_unknown_formats(tmp_path):
         read_pairs(txt)
     with pytest.raises(DataError, match="no such file"):
         read_pairs(tmp_path / "missing.jsonl")
+    for missing in ("missing.jsonl", "missing.txt"):
+        with pytest.raises(DataError, match=f"{missing}: no such file"):
+            read_pool(tmp_path / missing)
 
 
 def test_files_that_are_not_utf8_are_named_not_a_codec_traceback(tmp_path):
