@@ -47,6 +47,13 @@ def at_least(low: int):
     return parse
 
 
+def out_file(text: str) -> str:
+    """An argparse type: a file to write whose folder exists, checked before the slow work, not after."""
+    if not Path(text).parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{Path(text).parent} is not a folder; create it or name another")
+    return text
+
+
 def guard_quantile(text: str) -> float | None:
     """An argparse type: 'off', or the restatement guard's quantile in [0.5, 1)."""
     if text == "off":
@@ -397,7 +404,9 @@ def _ground_parser(sub) -> None:
     e.add_argument("--candidates", type=at_least(2), default=100, help="protocol A list size")
     e.add_argument("--against", nargs="*", default=[], help="eval JSONs of the same cases to test against")
     e.add_argument("--name", default=None, help="row name (default: the output file's stem)")
-    e.add_argument("--out", required=True, help="where the JSON (metrics, per-case ranks) goes")
+    e.add_argument(
+        "--out", type=out_file, required=True, help="where the JSON (metrics, per-case ranks) goes"
+    )
     e.add_argument("--seed", type=int, default=0, help="seed of the negatives")
     e.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
 
@@ -561,7 +570,7 @@ def _eval_parser(sub) -> None:
         "the validation pairs), added to protocol B's bi-encoder recall; 'none': without it (default: "
         "the built-in train split for --data chitchat, none for a file)",
     )
-    p.add_argument("--out", required=True, help="JSON file to write")
+    p.add_argument("--out", type=out_file, required=True, help="JSON file to write")
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
@@ -634,7 +643,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 def _report_parser(sub) -> None:
     p = sub.add_parser("report", help="merge eval JSON files into a markdown table (+ n_r plot)")
     p.add_argument("inputs", nargs="+")
-    p.add_argument("--out", required=True, help="markdown file")
+    p.add_argument("--out", type=out_file, required=True, help="markdown file")
     p.add_argument("--plot", default=None, help="PNG of hits@1 and ms/case against n_r")
     p.add_argument("--runs", nargs="*", default=[], help="training summary.json files for the training table")
     p.add_argument("--scale", default="", help="label for the header (e.g. cpu, gpu)")

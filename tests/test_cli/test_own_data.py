@@ -51,6 +51,8 @@ def own_data(tmp_path, toy_pairs):
         (["serve", "--port", "99999"], "--port / COREPLY_PORT: Input should be less than or equal to 65535"),
         (["eval", "--bi", "zero-shot", "--out", "e.json", "--limit", "-3"], "argument --limit: must be >= 0"),
         (["eval", "--bi", "zero-shot", "--out", "e.json", "--candidates", "1"], "--candidates: must be >= 2"),
+        (["eval", "--bi", "zero-shot", "--out", "gone/e.json"], "--out: gone is not a folder; create it"),
+        (["report", "e.json", "--out", "gone/r.md"], "--out: gone is not a folder; create it"),
         (["index", "build", "-o", "R", "--calibrate", "-1"], "argument --calibrate: must be >= 0"),
         (["index", "build", "-o", "R", "--prior-pairs", "gone.jsonl"], "gone.jsonl: no such file"),
         (["index", "build", "-o", "R", "--pool", "gone.txt"], "gone.txt: no such file"),
