@@ -293,7 +293,7 @@ def test_scores_must_be_finite(client, number):
     assert response.status_code == 422 and response.json()["error"].startswith("min_retrieval_score:")
 
 
-def test_framework_errors_have_the_same_shape(client):
+def test_framework_errors_have_the_same_shape(client, tiny_bundle):
     """No route, a wrong method and a body the parser gives up on answer {"error": ...} as every other
     error does (the method one with its Allow header)."""
     response = client.get("/nowhere")
@@ -301,8 +301,10 @@ def test_framework_errors_have_the_same_shape(client):
     response = client.get("/respond")
     assert response.status_code == 405 and response.json() == {"error": "Method Not Allowed"}
     assert response.headers["allow"] == "POST"
-    deep = "[" * 1020 + "]" * 1020  # under the test's body limit, past the JSON parser's nesting
-    response = client.post("/respond", content=deep, headers={"content-type": "application/json"})
+    deep = "[" * 100_000 + "]" * 100_000  # past any Python's JSON nesting limit, under this app's body limit
+    settings = Settings(bundle=tiny_bundle, threads=1, **LIMITS | {"max_body_bytes": 1 << 20})
+    with TestClient(create_app(settings)) as roomy:
+        response = roomy.post("/respond", content=deep, headers={"content-type": "application/json"})
     assert response.status_code == 400 and response.json()["error"].startswith("body:"), response.text
 
 
