@@ -81,6 +81,15 @@ def invalid(errors: list[dict]) -> JSONResponse:
     return error_response(422, f"{first['field']}: {first['message']}", detail)
 
 
+def unparsed(cause: BaseException | None) -> str:
+    """Why the JSON parser gave up on a body, in words."""
+    if isinstance(cause, UnicodeDecodeError):
+        return f"body: not UTF-8 (byte {cause.start}); send the JSON as UTF-8"
+    if isinstance(cause, RecursionError):
+        return "body: JSON nested too deeply"
+    return "body: could not be parsed"
+
+
 def install(app: FastAPI) -> None:
     """Register the handlers: the table, validation errors, the framework's HTTP errors, and the 500
     fallback."""
@@ -93,10 +102,10 @@ def install(app: FastAPI) -> None:
         return invalid(list(exc.errors()))
 
     async def http(request: Request, exc: Exception) -> JSONResponse:
-        # the framework's own: no route (404), not its method (405, with Allow), a body its parser gave
-        # up on (400: nested too deeply, say); answered in the same shape as the rest
+        # the framework's own: no route (404), not its method (405, with Allow), a body its JSON parser
+        # gave up on (400, raised from the parser's error); answered in the same shape as the rest
         assert isinstance(exc, HTTPException)
-        message = f"body: {exc.detail}" if exc.status_code == 400 else str(exc.detail)
+        message = unparsed(exc.__cause__) if exc.status_code == 400 else str(exc.detail)
         return error_response(exc.status_code, message, headers=exc.headers)
 
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:  # a bug: say so, keep serving

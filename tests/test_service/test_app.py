@@ -295,7 +295,7 @@ def test_scores_must_be_finite(client, number):
 
 def test_framework_errors_have_the_same_shape(client, tiny_bundle):
     """No route, a wrong method and a body the parser gives up on answer {"error": ...} as every other
-    error does (the method one with its Allow header)."""
+    error does (the method one with its Allow header; the body one saying why)."""
     response = client.get("/nowhere")
     assert response.status_code == 404 and response.json() == {"error": "Not Found"}
     response = client.get("/respond")
@@ -305,7 +305,10 @@ def test_framework_errors_have_the_same_shape(client, tiny_bundle):
     settings = Settings(bundle=tiny_bundle, threads=1, **LIMITS | {"max_body_bytes": 1 << 20})
     with TestClient(create_app(settings)) as roomy:
         response = roomy.post("/respond", content=deep, headers={"content-type": "application/json"})
-    assert response.status_code == 400 and response.json()["error"].startswith("body:"), response.text
+    assert response.status_code == 400 and response.json() == {"error": "body: JSON nested too deeply"}
+    latin1 = '{"context": ["café"]}'.encode("latin-1")
+    response = client.post("/respond", content=latin1, headers={"content-type": "application/json"})
+    assert response.status_code == 400 and response.json()["error"].startswith("body: not UTF-8 (byte 17)")
 
 
 def test_body_limits(client):
