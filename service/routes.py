@@ -28,7 +28,7 @@ def build_router(settings: Settings, request_model: type) -> APIRouter:
     @router.post(
         "/respond",
         response_model=RespondResponse,
-        responses=_errors(401, 413, 422, 503, 504),
+        responses=_errors(400, 401, 413, 422, 503, 504),
         dependencies=[Depends(key_check(settings, "/respond"))],
     )
     async def respond(

@@ -746,3 +746,5 @@ def test_api_docs_and_chat_page_are_served_without_a_cdn(client):
     assert 'fetch("respond"' in chat.text and "https://" not in chat.text
     schema = client.get("/openapi.json").json()
     assert "min_retrieval_score" in json.dumps(schema) and "metadata" in json.dumps(schema)
+    documented = set(schema["paths"]["/respond"]["post"]["responses"])
+    assert {"400", "401", "413", "422", "503", "504"} <= documented, documented
