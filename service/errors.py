@@ -81,7 +81,7 @@ def invalid(errors: list[dict]) -> JSONResponse:
     return error_response(422, f"{first['field']}: {first['message']}", detail)
 
 
-def unparsed(cause: BaseException | None) -> str:
+def unparsed(cause: BaseException) -> str:
     """Why the JSON parser gave up on a body, in words."""
     if isinstance(cause, UnicodeDecodeError):
         return f"body: not UTF-8 (byte {cause.start}); send the JSON as UTF-8"
@@ -105,7 +105,8 @@ def install(app: FastAPI) -> None:
         # the framework's own: no route (404), not its method (405, with Allow), a body its JSON parser
         # gave up on (400, raised from the parser's error); answered in the same shape as the rest
         assert isinstance(exc, HTTPException)
-        message = unparsed(exc.__cause__) if exc.status_code == 400 else str(exc.detail)
+        cause = exc.__cause__
+        message = unparsed(cause) if exc.status_code == 400 and cause else str(exc.detail)
         return error_response(exc.status_code, message, headers=exc.headers)
 
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:  # a bug: say so, keep serving
