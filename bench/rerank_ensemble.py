@@ -31,7 +31,7 @@ from bench import add_pairs_args, chosen_pairs, onnx_reranker, provenance  # ben
 from coreply.artifacts import write_json_atomic
 from coreply.checkpoint import load_checkpoint
 from coreply.checkpoint_meta import CheckpointError
-from coreply.inference import ONNX_FILES, export_onnx
+from coreply.inference import export_reranker
 from coreply.ranking import zscore
 from evaluation.metrics import paired_bootstrap
 from evaluation.protocols import Retrieved, ranks_for, rerank, retrieve_and_rerank
@@ -50,7 +50,6 @@ def main() -> None:
     bot = onnx_reranker(args.bundle)
     backend, ranking = bot.backend, bot.pipeline
     own = load_checkpoint(bot.bundle.model_dir("cross"), "cpu", expect="cross")
-    bi = load_checkpoint(bot.bundle.model_dir("bi"), "cpu", expect="bi")
     extra = {}
     for path in args.cross:
         try:
@@ -69,9 +68,9 @@ def main() -> None:
     print(f"{OWN}: {1000 * scores[OWN].rerank_s / len(pairs):.0f} ms a context", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for name, cross in extra.items():
-            # as a bundle serves it: int8, smoothed on its pool
-            export_onnx(bi, cross, Path(tmp) / name, "int8", calibration=ranking.texts)  # type: ignore[arg-type]
-            backend.cross = backend.cross_session(Path(tmp) / name / ONNX_FILES["cross"])
+            graph = Path(tmp) / f"{name}.onnx"
+            export_reranker(cross, graph, "int8", ranking.texts)  # type: ignore[arg-type]  # as a bundle serves it
+            backend.cross = backend.cross_session(graph)
             scores[name] = rerank(pairs, recalled, ranking, N_R)
             print(f"{name}: {1000 * scores[name].rerank_s / len(pairs):.0f} ms a context", flush=True)
 

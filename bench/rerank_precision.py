@@ -46,9 +46,8 @@ from coreply.gate import confident
 from coreply.inference import (
     INT8,
     INT8_VARIANTS,
-    ONNX_FILES,
     TorchBackend,
-    export_onnx,
+    export_reranker,
     quantize_graph,
 )
 from coreply.smoothing import calibration_pairs, smoothed
@@ -103,8 +102,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         bi = load_checkpoint(bot.bundle.model_dir("bi"), "cpu", expect="bi")
         cross = load_checkpoint(bot.bundle.model_dir("cross"), "cpu", expect="cross")
-        export_onnx(bi, cross, Path(tmp), "fp32")  # type: ignore[arg-type]
-        fp32 = Path(tmp) / ONNX_FILES["cross"]
+        fp32 = Path(tmp) / "cross.onnx"
+        export_reranker(cross, fp32, "fp32")  # type: ignore[arg-type]
         products = [n.name for n in onnx.load(fp32).graph.node if n.op_type in ("MatMul", "Gemm")]
         # variant -> None (fp32 or PyTorch) or (the fp32 graph, the int8 variant, nodes left fp32)
         variants = {v: None if v in ("fp32", *TORCH) else (fp32, v, []) for v in args.variants}
@@ -114,9 +113,9 @@ def main() -> None:
             variants[f"{INT8}, fp32: {k.pattern}"] = (fp32, INT8, nodes)
         calibration = calibration_pairs(ranking.texts)
         for alpha in args.smooth:  # its own fp32 graph, from the smoothed copy
-            out = Path(tmp) / f"smoothed-{alpha}"
-            export_onnx(bi, smoothed(cross, *calibration, alpha), out, "fp32")  # type: ignore[arg-type]
-            variants[f"{INT8}, smoothed {alpha}"] = (out / ONNX_FILES["cross"], INT8, [])
+            out = Path(tmp) / f"smoothed-{alpha}.onnx"
+            export_reranker(smoothed(cross, *calibration, alpha), out, "fp32")  # type: ignore[arg-type]
+            variants[f"{INT8}, smoothed {alpha}"] = (out, INT8, [])
 
         recalled = retrieve_and_rerank(pairs, ranking, N_R, 0)
         print(f"{len(pairs)} contexts recalled", flush=True)

@@ -210,6 +210,11 @@ def _export(module: nn.Module, example: Batch, inputs: list[str], path: Path) ->
         )
 
 
+_SAMPLE_CONTEXTS = [["an example context", "with two turns"]] * 2  # what the exports trace
+_SAMPLE_RESPONSES = ["an example response", "another"]
+_TOWER_INPUTS = ["input_ids", "attention_mask"]
+
+
 def export_onnx(
     bi: BiEncoder,
     cross: CrossEncoder | None,
@@ -217,43 +222,51 @@ def export_onnx(
     precision: str = "int8",
     calibration: Sequence[str] = (),
 ) -> dict[str, Any] | None:
-    """Write ``context.onnx``, ``response.onnx`` and (with a reranker) ``cross.onnx`` into ``out_dir``;
-    ``int8``: int8 weights by :data:`INT8` (activations quantised on the fly), for CPU hosts, the
-    reranker's from a copy smoothed on pairs of the ``calibration`` texts (a response pool; none: not
-    smoothed, :mod:`coreply.smoothing`). Returns how the reranker's graph was smoothed, or None."""
+    """Write ``context.onnx``, ``response.onnx`` and (with a reranker, :func:`export_reranker`)
+    ``cross.onnx`` into ``out_dir``; ``int8``: int8 weights by :data:`INT8` (activations quantised on the
+    fly), for CPU hosts. Returns how the reranker's graph was smoothed, or None."""
+    _check_precision(precision)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    bi = bi.cpu().eval()
+    towers = {
+        "context": (_ContextGraph(bi), bi.tokenizer.contexts(_SAMPLE_CONTEXTS)),
+        "response": (_ResponseGraph(bi), bi.tokenizer.responses(_SAMPLE_RESPONSES)),
+    }
+    for name, (module, example) in towers.items():
+        _write_graph(module, example, _TOWER_INPUTS, out_dir / ONNX_FILES[name], precision)
+    return export_reranker(cross, out_dir / ONNX_FILES["cross"], precision, calibration) if cross else None
+
+
+def export_reranker(
+    cross: CrossEncoder, path: Path, precision: str = "int8", calibration: Sequence[str] = ()
+) -> dict[str, Any] | None:
+    """Write the reranker's graph to ``path``; ``int8``: from a copy smoothed on pairs of the
+    ``calibration`` texts (a response pool; none: not smoothed, :mod:`coreply.smoothing`). Returns how it
+    was smoothed, or None."""
+    _check_precision(precision)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    cross = cross.cpu().eval()
+    contexts, responses = calibration_pairs(calibration) if precision == "int8" else ([], [])
+    graph = smoothed(cross, contexts, responses)
+    example = cross.tokenizer.pairs(_SAMPLE_CONTEXTS, _SAMPLE_RESPONSES)
+    _write_graph(_CrossGraph(graph), example, [*_TOWER_INPUTS, "token_type_ids"], path, precision)
+    return None if graph is cross else {"alpha": ALPHA, "pairs": len(contexts)}
+
+
+def _check_precision(precision: str) -> None:
     if precision not in PRECISIONS:
         raise ValueError(f"onnx precision must be one of {PRECISIONS}, got {precision!r}")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    bi, cross = bi.cpu().eval(), cross.cpu().eval() if cross is not None else None
-    sample_ctx = [["an example context", "with two turns"]] * 2
-    sample_resp = ["an example response", "another"]
-    jobs: list[tuple[str, nn.Module, Batch, list[str]]] = [
-        ("context", _ContextGraph(bi), bi.tokenizer.contexts(sample_ctx), ["input_ids", "attention_mask"]),
-        (
-            "response",
-            _ResponseGraph(bi),
-            bi.tokenizer.responses(sample_resp),
-            ["input_ids", "attention_mask"],
-        ),
-    ]
-    smoothing = None
-    if cross is not None:
-        pairs = cross.tokenizer.pairs(sample_ctx, sample_resp)
-        contexts, responses = calibration_pairs(calibration) if precision == "int8" else ([], [])
-        graph = smoothed(cross, contexts, responses)
-        if graph is not cross:
-            smoothing = {"alpha": ALPHA, "pairs": len(contexts)}
-        jobs.append(("cross", _CrossGraph(graph), pairs, ["input_ids", "attention_mask", "token_type_ids"]))
-    for name, module, example, inputs in jobs:
-        path = out_dir / ONNX_FILES[name]
-        if precision == "fp32":
-            _export(module, example, inputs, path)
-            continue
-        fp32 = out_dir / f".{name}.fp32.onnx"
-        _export(module, example, inputs, fp32)
-        quantize_graph(fp32, path)
-        fp32.unlink()
-    return smoothing
+
+
+def _write_graph(module: nn.Module, example: Batch, inputs: list[str], path: Path, precision: str) -> None:
+    """``module`` traced on ``example`` to ``path``, its weights int8 (:data:`INT8`) unless ``fp32``."""
+    if precision == "fp32":
+        _export(module, example, inputs, path)
+        return
+    fp32 = path.with_name(f".{path.stem}.fp32.onnx")
+    _export(module, example, inputs, fp32)
+    quantize_graph(fp32, path)
+    fp32.unlink()
 
 
 def quantize_graph(fp32: Path, out: Path, variant: str = INT8, keep_fp32: Sequence[str] = ()) -> None:
