@@ -770,11 +770,38 @@ def _index_parser(sub) -> None:
     a = isub.add_parser("add", help="append responses to a bundle without re-encoding the others")
     a.add_argument("bundle")
     a.add_argument("pool", help=".txt (one per line) or .jsonl ({'text': ...}) file")
+    w = isub.add_parser(
+        "withdraw",
+        help="stop a bundle answering some of its responses (--restore: answer them again); no id moves",
+    )
+    w.add_argument("bundle")
+    w.add_argument("--ids", type=at_least(0), nargs="+", default=[], help="response ids (as /respond gives)")
+    w.add_argument("--texts", help="response texts: .txt (one per line) or .jsonl ({'text': ...}) file")
+    w.add_argument("--restore", action="store_true", help="put the given responses back")
     v = isub.add_parser("verify", help="check a bundle's hashes, counts and model ties")
     v.add_argument("bundle")
     i = isub.add_parser("info", help="what a bundle holds: pool, index, models, fusion, sizes, build command")
     i.add_argument("bundle")
     i.add_argument("--json", action="store_true", help="print the manifest instead")
+
+
+def _withdraw(args: argparse.Namespace) -> int:
+    from coreply.readers import read_pool
+    from index_builder.withdraw import withdraw
+
+    if not args.ids and not args.texts:
+        raise CliError("withdraw: name the responses with --ids, --texts or both")
+    texts = read_pool(args.texts)[0] if args.texts else []
+    manifest, changed, unknown = withdraw(args.bundle, args.ids, texts, args.restore)
+    if unknown:
+        print(f"note: {len(unknown)} of the --texts are not in the bundle (the first: {unknown[0]!r})")
+    out = manifest.get("withdrawn", {}).get("count", 0)
+    verb = "restored" if args.restore else "withdrawn"
+    print(
+        f"{args.bundle}: version {manifest['bundle_version']}, {changed} {verb}; {out} of "
+        f"{manifest['index']['count']} responses withdrawn in all"
+    )
+    return 0
 
 
 def _cmd_index(args: argparse.Namespace) -> int:
@@ -810,6 +837,8 @@ def _cmd_index(args: argparse.Namespace) -> int:
             f"{added} added, {len(texts) - added} skipped (already in the bundle, repeated or blank)"
         )
         return 0
+    if args.index_command == "withdraw":
+        return _withdraw(args)
     from coreply.device import resolve_device
     from index_builder.build import build_bundle
 

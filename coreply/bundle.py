@@ -19,6 +19,8 @@ Layout::
                       ``manifest.prior.alpha``), subtracted from retrieval scores (:mod:`coreply.prior`)
     lexical.json      optional: the pool's BM25 statistics for the lexical stage (its weight, depth and
                       query turns are ``manifest.lexical``; :mod:`coreply.lexical`)
+    withdrawn.json    optional: {"ids": [...]}, responses the bundle no longer answers (``coreply index
+                      withdraw``): they keep their rows, so every other id stays as it was
 
 A bundle is written to a temporary directory and renamed into place, and is verified on load: every
 file's sha256, the index dimension and count, the response count and the model hashes must agree with
@@ -59,6 +61,10 @@ TOKENS = "tokens"
 KNOWLEDGE = "knowledge.json"
 PRIOR = "prior.npy"
 LEXICAL = "lexical.json"
+WITHDRAWN = "withdrawn.json"
+MAX_WITHDRAWN = 1000
+"""The most responses a bundle may withdraw: each one may hide a hit, so every search fetches that many
+more; a pool that loses more is better rebuilt without them."""
 BACKENDS = ("auto", "onnx", "torch", "torch-bf16")
 
 
@@ -142,6 +148,7 @@ class Bundle:
     knowledge: list[str] = field(default_factory=list)  # the default knowledge sentences
     prior: Prior | None = None
     lexical: LexicalStage | None = None
+    withdrawn: frozenset[int] = frozenset()  # ids never answered (:data:`WITHDRAWN`)
 
     @property
     def version(self) -> str:
@@ -223,7 +230,8 @@ def load_bundle(path: str | Path, verify: bool = True) -> Bundle:
         prior = Prior(float(manifest["prior"]["alpha"]), values)
     keys = [normalize(t) for t in texts]
     lexical = read_lexical(root, manifest, len(texts))
-    return Bundle(root, manifest, index, texts, keys, tokens, metadata, knowledge, prior, lexical)
+    withdrawn = read_withdrawn(root, manifest, len(texts))
+    return Bundle(root, manifest, index, texts, keys, tokens, metadata, knowledge, prior, lexical, withdrawn)
 
 
 def write_lexical(root: Path, bm25: BM25) -> None:
@@ -247,6 +255,28 @@ def read_lexical(root: Path, manifest: dict[str, Any], count: int) -> LexicalSta
     ok = ok and all(isinstance(n, int) and n >= 1 for n in (depth, turns))
     _check(ok, root, "manifest 'lexical' needs a weight in [0, 1] and depth, turns >= 1")
     return LexicalStage(bm25, float(weight), depth, turns)
+
+
+def write_withdrawn(root: Path, ids: frozenset[int]) -> None:
+    with open(root / WITHDRAWN, "w", encoding="utf-8") as fh:
+        json.dump({"ids": sorted(ids)}, fh)
+
+
+def read_withdrawn(root: Path, manifest: dict[str, Any], count: int) -> frozenset[int]:
+    """The ids of ``count`` responses that ``manifest.withdrawn`` says are withdrawn (none without it)."""
+    entry = manifest.get("withdrawn")
+    if not entry:
+        return frozenset()
+    try:
+        data = json.loads((root / WITHDRAWN).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:  # a JSONDecodeError too
+        raise BundleError(f"{root}: {WITHDRAWN}: {exc}") from exc
+    ids = data.get("ids") if isinstance(data, dict) else None
+    ok = isinstance(ids, list) and all(type(i) is int and 0 <= i < count for i in ids)
+    ok = ok and len(set(ids)) == len(ids) == entry.get("count") and len(ids) <= MAX_WITHDRAWN
+    need = f"{{'ids': [...]}}: the manifest's count of distinct ids below {count}"
+    _check(ok, root, f"{WITHDRAWN} must hold {need}")
+    return frozenset(ids)
 
 
 def write_knowledge(root: Path, sentences: Sequence[str]) -> None:
@@ -616,4 +646,5 @@ def pipeline(bundle: Bundle, backend: Any, index: Any = None) -> Pipeline:
         guard=Guard.of(guard) if guard else None,
         lexical=bundle.lexical,
         gate=None if gate is None else float(gate),
+        withdrawn=bundle.withdrawn,
     )

@@ -78,14 +78,15 @@ class Query:
         once, so every blocked text (a context turn or an excluded text) or id hides at most one hit."""
         return n + len(self.context) + len(self.exclude_texts) + len(self.exclude_ids)
 
-    def keep(self, ids: np.ndarray, keys: Sequence[str]) -> list[int]:
-        """Positions in ``ids`` that may be answered: not padding (-1), not an excluded id, and not the
-        normalised text of a context turn (an echo) or of an excluded text."""
+    def keep(self, ids: np.ndarray, keys: Sequence[str], withdrawn: Collection[int] = ()) -> list[int]:
+        """Positions in ``ids`` that may be answered: not padding (-1), not an excluded or ``withdrawn``
+        id, and not the normalised text of a context turn (an echo) or of an excluded text."""
         blocked = {normalize(t) for t in (*self.context, *self.exclude_texts)}
+        hidden = (self.exclude_ids, withdrawn)
         return [
             j
             for j, i in enumerate(ids)
-            if i >= 0 and int(i) not in self.exclude_ids and keys[i] not in blocked
+            if i >= 0 and keys[i] not in blocked and all(int(i) not in h for h in hidden)
         ]
 
 
@@ -169,7 +170,8 @@ class Pipeline:
     given each query's knowledge as ``select_knowledge`` narrows it (:meth:`ground`), or as the query
     carries it. With a restatement ``guard``, recall drops candidates that restate the context
     (:mod:`coreply.restatement`); with a ``lexical`` stage it then reorders them by the words they share
-    with it (:mod:`coreply.lexical`)."""
+    with it (:mod:`coreply.lexical`). ``withdrawn`` ids are never answered (each may hide a hit, so every
+    search fetches that many more)."""
 
     def __init__(
         self,
@@ -184,8 +186,9 @@ class Pipeline:
         guard: restatement.Guard | None = None,
         lexical: LexicalStage | None = None,
         gate: float | None = None,
+        withdrawn: Collection[int] = frozenset(),
     ) -> None:
-        self.retrieve, self.texts, self.keys = retrieve, texts, keys
+        self.retrieve, self.texts, self.keys, self.withdrawn = retrieve, texts, keys, withdrawn
         self.score_pairs, self.weight, self.gate = score_pairs, weight, gate
         self.select_knowledge, self.reads_knowledge = select_knowledge, reads_knowledge
         self.guard, self.lexical = guard, lexical
@@ -221,7 +224,7 @@ class Pipeline:
         depth for a served request, at most 100 candidates by default), then keeps ``n[i]``."""
         guard = self.guard is not None
         fetch = [max(m, self.lexical.depth) for m in n] if self.lexical else n
-        k = max(q.depth(m) for q, m in zip(queries, fetch, strict=True))
+        k = max(q.depth(m) for q, m in zip(queries, fetch, strict=True)) + len(self.withdrawn)
         k = min(k + (restatement.MARGIN if guard else 0), len(self.texts))
         out: list[Candidates | None] = [None] * len(queries)
         todo = list(range(len(queries)))
@@ -270,7 +273,7 @@ class Pipeline:
     def _answerable(self, queries: Sequence[Query], ids: np.ndarray) -> list[list[int]]:
         """Per query, the positions of its hit ``ids`` [B, k] that :meth:`Query.keep` allows and, unless
         the query allows restatements, that do not restate its context (one guard call for all)."""
-        keep = [q.keep(row, self.keys) for q, row in zip(queries, ids, strict=True)]
+        keep = [q.keep(row, self.keys, self.withdrawn) for q, row in zip(queries, ids, strict=True)]
         guarded = [i for i, q in enumerate(queries) if not q.allow_restatements]
         if self.guard is None or self.turn_vectors is None or not guarded:
             return keep

@@ -90,7 +90,8 @@ def describe(path: str | Path) -> list[tuple[str, str]]:
         (
             "pool",
             f"{index['count']:,} responses from {build['pool_source'] or 'texts'} "
-            f"({build['dropped_duplicates_or_blank']:,} repeats or blanks dropped; {added:,} added since)",
+            f"({build['dropped_duplicates_or_blank']:,} repeats or blanks dropped; {added:,} added since; "
+            f"{m.get('withdrawn', {}).get('count', 0):,} withdrawn)",
         ),
         (
             "index",

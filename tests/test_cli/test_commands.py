@@ -214,6 +214,19 @@ def test_index_build_add_verify(tmp_path, tiny_core):
     added = coreply("index", "add", str(out), str(more))
     assert added.returncode == 0 and "3 responses: 1 added, 0 skipped" in added.stdout, added.stderr
     assert "ok (version" in coreply("index", "verify", str(out)).stdout
+    gone = coreply("index", "withdraw", str(out), "--ids", "0", "--texts", str(more))
+    assert gone.returncode == 0 and "2 withdrawn; 2 of 3 responses withdrawn" in gone.stdout, gone.stderr
+    assert "2 withdrawn)" in coreply("index", "info", str(out)).stdout
+    back = coreply("index", "withdraw", str(out), "--texts", str(more), "--restore")
+    assert back.returncode == 0 and "1 restored; 1 of 3" in back.stdout, back.stderr
+    for flags, message in [
+        ((), "name the responses with --ids, --texts or both"),
+        (("--ids", "3"), "--ids: 3 is not a response of this bundle (its ids are 0 to 2)"),
+        (("--ids", "-1"), "argument --ids: must be >= 0, got -1"),
+        (("--texts", str(tmp_path / "nope.txt")), "nope.txt: no such file"),
+    ]:
+        bad = coreply("index", "withdraw", str(out), *flags)
+        assert bad.returncode == 2 and message in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
     (out / "responses.jsonl").write_text("tampered\n")
     result = coreply("index", "verify", str(out))
     assert result.returncode == 2 and "responses.jsonl: corrupted" in result.stderr

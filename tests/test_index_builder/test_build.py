@@ -27,6 +27,7 @@ from coreply.bundle import (
 from coreply.inference import ONNX_FILES, _session
 from coreply.text import normalize
 from index_builder.build import add_responses, build_bundle
+from index_builder.withdraw import withdraw
 
 
 def test_bundle_round_trip(tiny_bundle):
@@ -272,6 +273,52 @@ def test_add_appends_without_re_encoding(tmp_path, tiny_bundle, toy_pairs):
     fresh = make_backend(after).encode_responses(["another new one"])
     row = after.index.reconstruct(after.texts.index("another new one"))
     np.testing.assert_allclose(row, fresh[0], atol=5e-3)
+
+
+def test_withdrawn_responses_are_never_answered_keep_every_id_and_come_back(tmp_path, tiny_bundle, toy_pairs):
+    from coreply.responder import Responder
+
+    path = tmp_path / "b"
+    shutil.copytree(tiny_bundle, path)
+    context = list(toy_pairs[0].context)
+
+    def ranked() -> list[int]:  # every response the bundle would answer, best first, by retrieval alone
+        bot = Responder.load(path, backend="torch")
+        return [r.id for r in bot.respond(context, top_k=13, n_candidates=13, fusion="retrieval")]
+
+    before, texts = ranked(), load_bundle(path).texts
+    first, second = before[0], before[1]
+    manifest, changed, unknown = withdraw(path, [first], [texts[second].upper(), "not in the pool"])
+    assert (changed, unknown, manifest["withdrawn"]["count"]) == (2, ["not in the pool"], 2)
+    assert load_bundle(path).texts == texts and load_bundle(path).withdrawn == {first, second}
+    assert ranked() == [i for i in before if i not in (first, second)]  # the rest, in the same order
+    again = withdraw(path, [first])  # already withdrawn: nothing is rewritten
+    assert again[1] == 0 and again[0]["bundle_version"] == manifest["bundle_version"]
+    restored, changed, _ = withdraw(path, [first], restore=True)
+    assert changed == 1 and restored["bundle_version"] != manifest["bundle_version"]
+    assert ranked() == [i for i in before if i != second]
+    assert [h.get("withdrawn", -h.get("restored", 0)) for h in restored["withdrawn"]["history"]] == [2, -1]
+    with pytest.raises(ValueError, match="--ids: 13 is not a response of this bundle"):
+        withdraw(path, [13])
+
+
+def test_withdrawals_past_the_cap_or_out_of_range_are_refused(tmp_path, tiny_bundle, monkeypatch):
+    import index_builder.withdraw
+
+    path = tmp_path / "b"
+    shutil.copytree(tiny_bundle, path)
+    monkeypatch.setattr(index_builder.withdraw, "MAX_WITHDRAWN", 2)
+    with pytest.raises(ValueError, match=r"more than 2 .* build the bundle again"):
+        withdraw(path, [0, 1, 2])
+    withdraw(path, [0, 1])
+    # a list the manifest's hashes agree with but that names a row the pool does not hold
+    (path / "withdrawn.json").write_text(json.dumps({"ids": [0, 99]}))
+    manifest = json.loads((path / MANIFEST).read_text())
+    manifest["files"] = hash_tree(path, MANIFEST)
+    manifest["bundle_version"] = content_hash(manifest["files"])[:16]
+    write_json_atomic(path / MANIFEST, manifest)
+    with pytest.raises(BundleError, match=r"withdrawn\.json must hold .* distinct ids below 13"):
+        load_bundle(path)
 
 
 def test_responses_are_tokenised_once_at_build_and_assembled_like_the_tokenizer(tmp_path, tiny_bundle):
