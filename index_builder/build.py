@@ -6,6 +6,7 @@ embeddings come from the same graph; on CUDA it runs the PyTorch models under bf
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import platform
 import shutil
 import time
@@ -57,6 +58,9 @@ SIGNIFICANT = 0.05
 """The p below which calibration serves the z-score fusion instead of the sum."""
 """The fusions a bundle's default is chosen from, preferred in this order on a tie (the reranker alone
 is the z-score at weight 0)."""
+
+
+LOG = logging.getLogger(__name__)
 
 
 def encode_pool(
@@ -354,6 +358,13 @@ def add_responses(
     known = set(bundle.keys)
     keep = [i for i in distinct(texts) if normalize(texts[i]) not in known]
     new = [texts[i] for i in keep]
+    withdrawn = {bundle.keys[i] for i in bundle.withdrawn} & {normalize(t) for t in texts}
+    if withdrawn:
+        LOG.warning(
+            "note: %d of these texts are withdrawn from the bundle and stay so; "
+            "`coreply index withdraw --restore` serves them again",
+            len(withdrawn),
+        )
     if not new:
         return bundle.manifest
     encoder = bundle.manifest["encoder"]

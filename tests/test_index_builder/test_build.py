@@ -275,7 +275,9 @@ def test_add_appends_without_re_encoding(tmp_path, tiny_bundle, toy_pairs):
     np.testing.assert_allclose(row, fresh[0], atol=5e-3)
 
 
-def test_withdrawn_responses_are_never_answered_keep_every_id_and_come_back(tmp_path, tiny_bundle, toy_pairs):
+def test_withdrawn_responses_are_never_answered_keep_every_id_and_come_back(
+    tmp_path, tiny_bundle, toy_pairs, caplog
+):
     from coreply.responder import Responder
 
     path = tmp_path / "b"
@@ -298,6 +300,9 @@ def test_withdrawn_responses_are_never_answered_keep_every_id_and_come_back(tmp_
     assert changed == 1 and restored["bundle_version"] != manifest["bundle_version"]
     assert ranked() == [i for i in before if i != second]
     assert [h.get("withdrawn", -h.get("restored", 0)) for h in restored["withdrawn"]["history"]] == [2, -1]
+    with caplog.at_level(logging.WARNING):
+        add_responses(path, [texts[second]], False)  # still withdrawn, and the log says how to restore it
+    assert "1 of these texts are withdrawn" in caplog.text and ranked() == [i for i in before if i != second]
     with pytest.raises(ValueError, match="--ids: 13 is not a response of this bundle"):
         withdraw(path, [13])
 
