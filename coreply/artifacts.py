@@ -4,10 +4,14 @@ sha256 of every other file, written atomically and verified on load.
 Writing: build the directory inside :func:`staging` (a temporary sibling, removed if anything fails),
 then :func:`seal` it (hash the files, write the JSON atomically, rename the directory into place).
 Reading: :func:`read_sealed` parses the JSON, checks its format and, by default, every file's hash.
+Changing one in place (read, then write a new version over it): inside :func:`exclusive` (or a function
+marked with :func:`changes`), so that two writers cannot each write over the other's change.
 """
 
 from __future__ import annotations
 
+import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -16,7 +20,9 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 def sha256_file(path: Path) -> str:
@@ -96,6 +102,46 @@ def staging(final: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+class Busy(ValueError):
+    """Another process is changing the artifact."""
+
+
+@contextmanager
+def exclusive(final: Path, what: str) -> Iterator[None]:
+    """Hold the artifact at ``final`` for one read-and-rewrite (``what``: the command, for the message a
+    second writer gets): an advisory lock on ``.NAME.lock`` beside it, which the system frees if the
+    process dies. A second writer is refused at once with :class:`Busy` instead of waiting."""
+    if not final.exists():  # nothing there to change: reading it will say so
+        yield
+        return
+    with open(final.with_name(f".{final.name}.lock"), "a+", encoding="utf-8") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            holder = fh.read().strip() or "another process"
+            raise Busy(f"{final}: {holder} is changing it; try again when it ends") from None
+        fh.truncate(0)
+        fh.write(f"{what} (pid {os.getpid()})")
+        fh.flush()
+        yield
+
+
+def changes(what: str) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """Decorate a function whose first argument is an artifact's path and which reads and rewrites it:
+    each call runs inside :func:`exclusive`."""
+
+    def wrap(fn: Callable[..., T]) -> Callable[..., T]:
+        @functools.wraps(fn)
+        def run(path: str | Path, *args: Any, **kwargs: Any) -> T:
+            with exclusive(Path(path), what):
+                return fn(path, *args, **kwargs)
+
+        return run
+
+    return wrap
 
 
 def link_or_copy(src: Path, dst: Path) -> None:

@@ -19,7 +19,7 @@ import numpy as np
 from tqdm import tqdm
 
 from coreply import lexical, prior, restatement
-from coreply.artifacts import link_or_copy, staging
+from coreply.artifacts import changes, link_or_copy, staging
 from coreply.bundle import (
     INDEX,
     LEXICAL,
@@ -172,6 +172,7 @@ def _model_entry(path: Path, spec: str) -> dict[str, Any]:
     }
 
 
+@changes("coreply index build")
 def build_bundle(
     out: str | Path,
     texts: Sequence[str],
@@ -346,6 +347,7 @@ def build_bundle(
         return finish(tmp, final, manifest)
 
 
+@changes("coreply index add")
 def add_responses(
     path: str | Path, texts: Sequence[str], progress: bool = True, metadata: Sequence[dict[str, Any]] = ()
 ) -> dict[str, Any]:

@@ -7,11 +7,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from coreply.artifacts import link_or_copy, staging
+from coreply.artifacts import changes, link_or_copy, staging
 from coreply.bundle import MAX_WITHDRAWN, WITHDRAWN, finish, load_bundle, write_withdrawn
 from coreply.text import normalize
 
 
+@changes("coreply index withdraw")
 def withdraw(
     path: str | Path, ids: Sequence[int] = (), texts: Sequence[str] = (), restore: bool = False
 ) -> tuple[dict[str, Any], int, list[str]]:

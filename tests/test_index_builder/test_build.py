@@ -11,7 +11,7 @@ import torch
 from conftest import toy_pool
 from tiny import WORDS
 
-from coreply.artifacts import content_hash, hash_tree, write_json_atomic
+from coreply.artifacts import Busy, content_hash, exclusive, hash_tree, write_json_atomic
 from coreply.bundle import (
     BF16_PASS,
     FP16_PASS,
@@ -324,6 +324,18 @@ def test_withdrawals_past_the_cap_or_out_of_range_are_refused(tmp_path, tiny_bun
     write_json_atomic(path / MANIFEST, manifest)
     with pytest.raises(BundleError, match=r"withdrawn\.json must hold .* distinct ids below 13"):
         load_bundle(path)
+
+
+def test_two_writers_never_change_a_bundle_at_once(copy):
+    """A second read-and-rewrite while one runs would write over its change: it is refused, naming the
+    first, and goes through once the first is done. A path with no bundle gets no lock file."""
+    busy = r"copy: coreply index add \(pid \d+\) is changing it; try again"
+    with exclusive(copy, "coreply index add"), pytest.raises(Busy, match=busy):
+        withdraw(copy, [0])
+    assert withdraw(copy, [0])[1] == 1
+    with pytest.raises(BundleError, match="not a coreply bundle"):
+        withdraw(copy.parent / "missing", [0])
+    assert not (copy.parent / ".missing.lock").exists()
 
 
 def test_responses_are_tokenised_once_at_build_and_assembled_like_the_tokenizer(tmp_path, tiny_bundle):
