@@ -234,7 +234,7 @@ class Pipeline:
             for stage, seconds in getattr(self.retrieve, "timings", {}).items():
                 timings[stage] = timings.get(stage, 0.0) + seconds
             keep = self._answerable([queries[i] for i in todo], hits.ids)
-            deeper = min(k * restatement.DEEPEN, restatement.MAX_DEPTH, len(self.texts))
+            deeper = min(k * restatement.DEEPEN, restatement.MAX_DEPTH + len(self.withdrawn), len(self.texts))
             short = []
             for row, i in enumerate(todo):
                 if len(keep[row]) < n[i] and guard and not queries[i].allow_restatements and deeper > k:
