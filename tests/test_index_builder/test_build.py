@@ -275,18 +275,20 @@ def test_add_appends_without_re_encoding(tmp_path, tiny_bundle, toy_pairs):
     np.testing.assert_allclose(row, fresh[0], atol=5e-3)
 
 
+@pytest.mark.parametrize("name", ["tiny_bundle", "guarded_bundle", "lexical_bundle"])
 def test_withdrawn_responses_are_never_answered_keep_every_id_and_come_back(
-    tmp_path, tiny_bundle, toy_pairs, caplog
+    tmp_path, name, request, toy_pairs, caplog
 ):
+    """Exact search alone, behind the restatement guard, and with a lexical stage."""
     from coreply.responder import Responder
 
     path = tmp_path / "b"
-    shutil.copytree(tiny_bundle, path)
-    context = list(toy_pairs[0].context)
+    shutil.copytree(request.getfixturevalue(name), path)
+    context, size = list(toy_pairs[0].context), len(load_bundle(path).texts)
 
-    def ranked() -> list[int]:  # every response the bundle would answer, best first, by retrieval alone
+    def ranked() -> list[int]:  # every response the bundle would answer, best first, by its first stage
         bot = Responder.load(path, backend="torch")
-        return [r.id for r in bot.respond(context, top_k=13, n_candidates=13, fusion="retrieval")]
+        return [r.id for r in bot.respond(context, top_k=size, n_candidates=size, fusion="retrieval")]
 
     before, texts = ranked(), load_bundle(path).texts
     first, second = before[0], before[1]
@@ -303,8 +305,8 @@ def test_withdrawn_responses_are_never_answered_keep_every_id_and_come_back(
     with caplog.at_level(logging.WARNING):
         add_responses(path, [texts[second]], False)  # still withdrawn, and the log says how to restore it
     assert "1 of these texts are withdrawn" in caplog.text and ranked() == [i for i in before if i != second]
-    with pytest.raises(ValueError, match="--ids: 13 is not a response of this bundle"):
-        withdraw(path, [13])
+    with pytest.raises(ValueError, match=f"--ids: {size} is not a response of this bundle"):
+        withdraw(path, [size])
 
 
 def test_withdrawals_past_the_cap_or_out_of_range_are_refused(tmp_path, tiny_bundle, monkeypatch):
