@@ -296,7 +296,7 @@ def _pretrain_parser(sub) -> None:
     p.add_argument("--batch-size", type=at_least(1), default=16, help="pairs per step")
     p.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate (the paper's for English)")
     p.add_argument("--max-steps", type=at_least(1), default=1000, help="optimizer steps")
-    p.add_argument("--seed", type=int, default=42, help="seed of the batches and the masks")
+    p.add_argument("--seed", type=at_least(0), default=42, help="seed of the batches and the masks")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     _add_model_args(p)
 
@@ -381,7 +381,7 @@ def _ground_parser(sub) -> None:
         "--valid-candidates", type=at_least(2), default=d.valid_candidates, help="validation list size"
     )
     t.add_argument("--log-every", type=at_least(1), default=d.log_every, help="steps between metrics lines")
-    t.add_argument("--seed", type=int, default=d.seed, help="seed of batches and negatives")
+    t.add_argument("--seed", type=at_least(0), default=d.seed, help="seed of batches and negatives")
     t.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     _add_model_args(t)
     e = gsub.add_parser(
@@ -407,7 +407,7 @@ def _ground_parser(sub) -> None:
     e.add_argument(
         "--out", type=out_file, required=True, help="where the JSON (metrics, per-case ranks) goes"
     )
-    e.add_argument("--seed", type=int, default=0, help="seed of the negatives")
+    e.add_argument("--seed", type=at_least(0), default=0, help="seed of the negatives")
     e.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
 
 
@@ -548,7 +548,7 @@ def _eval_parser(sub) -> None:
         "--pool-limit", type=at_least(1), default=None, help="reduced pool: test golds + a seeded sample"
     )
     p.add_argument("--max-turns", type=at_least(1), default=ModelConfig.max_turns, help="context turns kept")
-    p.add_argument("--seed", type=int, default=0, help="seed of protocol A's negatives and the pool sample")
+    p.add_argument("--seed", type=at_least(0), default=0, help="seed of protocol A's negatives, pool sample")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument(
         "--judge",

@@ -50,8 +50,10 @@ class ModelConfig:
             raise ValueError("max_context_tokens must be >= 4 and max_response_tokens >= 3")
         if self.max_turns < 1:
             raise ValueError("max_turns must be >= 1")
-        if self.score_scale <= 0:
-            raise ValueError("score_scale must be > 0")
+        if not 0 < self.score_scale < float("inf"):  # NaN too
+            raise ValueError(f"score_scale (--score-scale) must be finite and > 0, got {self.score_scale}")
+        if not 0 <= self.dropout < 1:  # NaN too
+            raise ValueError(f"dropout (--dropout) must be in [0, 1), got {self.dropout}")
         if self.poly_codes < 0:
             raise ValueError("poly_codes must be >= 0 (0: a plain bi-encoder)")
         if self.max_knowledge_tokens < 0 or 0 < self.max_knowledge_tokens < 3:

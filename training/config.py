@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -18,7 +19,7 @@ AT_LEAST_ONE = (
 )  # fmt: skip
 NON_NEGATIVE = (
     "lora_rank", "cross_lora_rank", "hard_negatives", "own_turn_negatives", "paraphrase_negatives",
-    "max_batch_tokens", "valid_size", "valid_pool", "weight_decay", "gamma_r", "gamma_g", "alpha",
+    "max_batch_tokens", "valid_size", "valid_pool", "weight_decay", "gamma_r", "gamma_g", "alpha", "seed",
 )  # fmt: skip
 POSITIVE = ("lr", "cross_lr", "tau", "grad_clip", "lora_alpha", "max_minutes")
 RULES: dict[str, tuple[Callable[[float], bool], str]] = {
@@ -31,14 +32,15 @@ RULES: dict[str, tuple[Callable[[float], bool], str]] = {
 
 
 def check_fields(config: Any, **groups: Sequence[str]) -> None:
-    """For each rule of :data:`RULES`, the named fields of ``config`` must obey it (``None``: unset, fine);
-    else a ValueError naming the field and its flag."""
+    """For each rule of :data:`RULES`, the named fields of ``config`` must obey it and be finite (``None``:
+    unset, fine); else a ValueError naming the field and its flag."""
     for rule, names in groups.items():
         test, text = RULES[rule]
         for name in names:
             value = getattr(config, name)
-            if value is not None and not test(value):
-                raise ValueError(f"{name} (--{name.replace('_', '-')}) must be {text}, got {value}")
+            if value is not None and not (math.isfinite(value) and test(value)):
+                finite = "" if math.isfinite(value) else "finite and "
+                raise ValueError(f"{name} (--{name.replace('_', '-')}) must be {finite}{text}, got {value}")
 
 
 RESUMABLE = frozenset(
@@ -194,6 +196,12 @@ class TrainConfig:
         if self.valid_candidates < 2:
             n = self.valid_candidates
             raise ValueError(f"valid_candidates (--valid-candidates) must be >= 2, got {n}")
+        pair = self.model.max_context_tokens + self.model.max_response_tokens
+        if 0 < self.max_batch_tokens < pair:
+            raise ValueError(
+                f"max_batch_tokens (--max-batch-tokens) must be 0 (off) or at least one pair's tokens "
+                f"({pair}: --max-context-tokens + --max-response-tokens), got {self.max_batch_tokens}"
+            )
         if self.packed and self.max_batch_tokens:
             raise ValueError(
                 "packed (--packed) runs each model's inputs as one batch without padding: "
