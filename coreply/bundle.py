@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -169,15 +170,24 @@ class Bundle:
 
 
 def apply_search_params(index, params: str) -> None:
-    """``params`` like ``nprobe=16`` (IVF) or ``efSearch=128`` (HNSW); empty = FAISS defaults."""
+    """``params`` like ``nprobe=16`` (IVF) or ``efSearch=128`` (HNSW), each a number > 0; empty = FAISS
+    defaults."""
     if not params:
         return
     import faiss
 
+    for part in params.split(","):
+        name, _, value = part.partition("=")
+        try:
+            number = float(value)
+        except ValueError:
+            number = math.nan
+        if not (math.isfinite(number) and number > 0):
+            raise ValueError(f"--search-params {params!r}: {name.strip()} needs a number > 0, not {value!r}")
     try:
         faiss.ParameterSpace().set_index_parameters(index, params)
-    except RuntimeError as exc:
-        detail = "".join([line for line in str(exc).splitlines() if line.strip()][-1:])
+    except RuntimeError as exc:  # FAISS says where, then ":" and what
+        detail = str(exc).rsplit(":", 1)[-1].strip()
         raise ValueError(f"--search-params {params!r} do not fit this index: {detail}") from exc
 
 

@@ -66,12 +66,18 @@ def read_jsonl(path: str | Path) -> list[Pair]:
     return pairs
 
 
+def _need_file(path: str | Path) -> None:
+    if Path(path).is_dir():
+        raise DataError(f"{path}: a folder; name a file in it")
+    if not Path(path).is_file():
+        raise DataError(f"{path}: no such file")
+
+
 def read_pool(path: str | Path) -> tuple[list[str], list[dict[str, Any]]]:
     """A response pool: one response per line (``.txt``), or JSONL with a ``text`` field per line. Returns
     the texts and, per text, its record's other fields (a team's own id, intent, template name...;
     ``{}`` for ``.txt``), which the bundle keeps and ``/respond`` returns as ``metadata``."""
-    if not Path(path).is_file():
-        raise DataError(f"{path}: no such file")
+    _need_file(path)
     texts: list[str] = []
     metadata: list[dict[str, Any]] = []
     with _utf8(str(path)):
@@ -197,8 +203,7 @@ def read_dstc7_json(path: str | Path) -> list[Pair]:
 def read_pairs(path: str | Path) -> list[Pair]:
     """Dispatch on the file name: ``.jsonl`` (coreply's own), ``.csv`` (Ubuntu v2), ``.json`` (DSTC7)."""
     name = str(path)
-    if not Path(name).is_file():
-        raise DataError(f"{name}: no such file")
+    _need_file(name)
     readers = {".jsonl": read_jsonl, ".csv": read_ubuntu_csv, ".json": read_dstc7_json}
     reader = readers.get(Path(name).suffix)
     if reader is None:

@@ -88,6 +88,10 @@ def test_pool_reader_and_unknown_formats(tmp_path):
     for missing in ("missing.jsonl", "missing.txt"):
         with pytest.raises(DataError, match=f"{missing}: no such file"):
             read_pool(tmp_path / missing)
+    (tmp_path / "folder.jsonl").mkdir()
+    for read in (read_pool, read_pairs):
+        with pytest.raises(DataError, match=r"folder\.jsonl: a folder; name a file in it"):
+            read(tmp_path / "folder.jsonl")
 
 
 def test_files_that_are_not_utf8_are_named_not_a_codec_traceback(tmp_path):

@@ -603,8 +603,11 @@ def test_recall_vs_exact_measures_misses():
     narrow = recall_vs_exact(ivf, vectors, queries)["recall@10"]
     apply_search_params(ivf, "nprobe=32")
     assert narrow < 0.9 and recall_vs_exact(ivf, vectors, queries)["recall@10"] == 1.0
-    with pytest.raises(ValueError, match="do not fit"):
+    with pytest.raises(ValueError, match=r"do not fit this index: could not set parameter efSearch$"):
         apply_search_params(ivf, "efSearch=10")
+    for params in ("nprobe=-1", "nprobe=inf", "nprobe=", "nprobe=4,efSearch=nan"):  # FAISS takes -1 as is
+        with pytest.raises(ValueError, match=r"--search-params '.*': \w+ needs a number > 0, not '"):
+            apply_search_params(ivf, params)
 
 
 def faiss_flat(vectors: np.ndarray):
