@@ -196,12 +196,6 @@ class TrainConfig:
         if self.valid_candidates < 2:
             n = self.valid_candidates
             raise ValueError(f"valid_candidates (--valid-candidates) must be >= 2, got {n}")
-        pair = self.model.max_context_tokens + self.model.max_response_tokens
-        if 0 < self.max_batch_tokens < pair:
-            raise ValueError(
-                f"max_batch_tokens (--max-batch-tokens) must be 0 (off) or at least one pair's tokens "
-                f"({pair}: --max-context-tokens + --max-response-tokens), got {self.max_batch_tokens}"
-            )
         if self.packed and self.max_batch_tokens:
             raise ValueError(
                 "packed (--packed) runs each model's inputs as one batch without padding: "

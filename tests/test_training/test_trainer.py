@@ -453,14 +453,13 @@ def test_config_errors():
         ({"tau": float("nan")}, r"tau \(--tau\) must be finite and > 0, got nan"),
         ({"max_minutes": float("inf")}, r"max_minutes \(--max-minutes\) must be finite and > 0"),
         ({"seed": -1}, r"seed \(--seed\) must be >= 0, got -1"),
-        ({"max_batch_tokens": 3}, r"must be 0 \(off\) or at least one pair's tokens \(128: "),
         ({"model": {"score_scale": float("nan")}}, r"score_scale \(--score-scale\) must be finite and > 0"),
         ({"model": {"dropout": 1.0}}, r"dropout \(--dropout\) must be in \[0, 1\), got 1.0"),
     ],
 )
 def test_nonsense_numbers_are_refused_naming_the_flag(settings, message):
-    """Infinite or NaN rates and temperatures once trained to NaN weights; a token budget below one pair
-    ran every input alone; a negative seed failed deep in numpy with no flag named."""
+    """Infinite or NaN rates and temperatures once trained to NaN weights; a negative seed failed deep in
+    numpy with no flag named."""
     with pytest.raises(ValueError, match=message):
         TrainConfig(**settings)
 
