@@ -1158,6 +1158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         return COMMANDS[args.command](args)
-    except (CliError, DataError, CheckpointError, BundleError, FileNotFoundError, ValueError) as exc:
+    except (CliError, DataError, CheckpointError, BundleError, ValueError, OSError) as exc:
+        # OSError: a path that cannot be written (not a folder, no permission, a full disk), as the OS says
         print(f"coreply {args.command}: error: {exc}", file=sys.stderr)
         return 2
