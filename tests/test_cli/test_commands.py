@@ -198,7 +198,7 @@ def test_user_errors_are_one_line_messages_with_exit_code_2(tmp_path, tiny_model
     result = coreply("index", "verify", str(tmp_path))
     assert result.returncode == 2 and "not a coreply bundle" in result.stderr
 
-    result = coreply("train", "-o", "/dev/null/run", "--data", str(bad))  # a folder that cannot be made
+    result = coreply("train", "-o", "/dev/null/run", "--max-steps", "1")  # a folder that cannot be made
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and "Not a directory" in result.stderr
 
 
