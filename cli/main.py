@@ -1,5 +1,5 @@
 """The ``coreply`` command: ``train``, ``pretrain``, ``eval``, ``ground`` (train / eval), ``report``,
-``index`` (build / add / info / verify), ``compact``, ``serve``, ``chat``.
+``index`` (build / add / withdraw / info / verify), ``compact``, ``serve``, ``chat``.
 
 Heavy modules are imported inside each subcommand so ``coreply --help`` stays instant."""
 
