@@ -82,11 +82,10 @@ class Query:
         """Positions in ``ids`` that may be answered: not padding (-1), not an excluded or ``withdrawn``
         id, and not the normalised text of a context turn (an echo) or of an excluded text."""
         blocked = {normalize(t) for t in (*self.context, *self.exclude_texts)}
-        hidden = (self.exclude_ids, withdrawn)
         return [
             j
-            for j, i in enumerate(ids)
-            if i >= 0 and keys[i] not in blocked and all(int(i) not in h for h in hidden)
+            for j, i in enumerate(ids.tolist())
+            if i >= 0 and keys[i] not in blocked and i not in self.exclude_ids and i not in withdrawn
         ]
 
 

@@ -357,10 +357,10 @@ def add_responses(
     rewritten atomically."""
     root = Path(path)
     bundle = load_bundle(root)
-    known = set(bundle.keys)
-    keep = [i for i in distinct(texts) if normalize(texts[i]) not in known]
+    known, keys = set(bundle.keys), [normalize(t) for t in texts]
+    keep = [i for i in distinct(texts) if keys[i] not in known]
     new = [texts[i] for i in keep]
-    withdrawn = {bundle.keys[i] for i in bundle.withdrawn} & {normalize(t) for t in texts}
+    withdrawn = {bundle.keys[i] for i in bundle.withdrawn} & set(keys)
     if withdrawn:
         LOG.warning(
             "note: %d of these texts are withdrawn from the bundle and stay so; "

@@ -40,13 +40,13 @@ def withdraw(
     changed = len(now ^ bundle.withdrawn)
     if not changed:
         return bundle.manifest, 0, unknown
-    manifest = {k: v for k, v in bundle.manifest.items() if k not in ("files", "bundle_version")}
-    history = manifest.get("withdrawn", {}).get("history", [])
     at = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-    manifest["withdrawn"] = {
-        "count": len(now),
-        "history": [*history, {"restored" if restore else "withdrawn": changed, "at": at}],
-    }
+    history = [
+        *bundle.manifest.get("withdrawn", {}).get("history", []),
+        {"restored" if restore else "withdrawn": changed, "at": at},
+    ]
+    entry = {"count": len(now), "history": history}
+    manifest = {**bundle.manifest, "withdrawn": entry}  # finish() writes its files and version anew
     with staging(root) as tmp:
         for name in bundle.manifest["files"]:
             if name != WITHDRAWN:
