@@ -78,15 +78,16 @@ class Query:
         once, so every blocked text (a context turn or an excluded text) or id hides at most one hit."""
         return n + len(self.context) + len(self.exclude_texts) + len(self.exclude_ids)
 
-    def keep(self, ids: np.ndarray, keys: Sequence[str], withdrawn: Collection[int] = ()) -> list[int]:
-        """Positions in ``ids`` that may be answered: not padding (-1), not an excluded or ``withdrawn``
-        id, and not the normalised text of a context turn (an echo) or of an excluded text."""
+    def keep(
+        self, ids: np.ndarray, keys: Sequence[str], withdrawn: Collection[int] = (), depth: int | None = None
+    ) -> list[int]:
+        """Positions in ``ids`` that may be answered: among the first ``depth`` hits that are neither
+        padding (-1) nor ``withdrawn`` (the hits a pool without the withdrawn responses would return),
+        those that are not an excluded id, nor the normalised text of a context turn (an echo) or of an
+        excluded text."""
         blocked = {normalize(t) for t in (*self.context, *self.exclude_texts)}
-        return [
-            j
-            for j, i in enumerate(ids.tolist())
-            if i >= 0 and keys[i] not in blocked and i not in self.exclude_ids and i not in withdrawn
-        ]
+        live = [(j, i) for j, i in enumerate(ids.tolist()) if i >= 0 and i not in withdrawn][:depth]
+        return [j for j, i in live if keys[i] not in blocked and i not in self.exclude_ids]
 
 
 @dataclass
@@ -169,8 +170,8 @@ class Pipeline:
     given each query's knowledge as ``select_knowledge`` narrows it (:meth:`ground`), or as the query
     carries it. With a restatement ``guard``, recall drops candidates that restate the context
     (:mod:`coreply.restatement`); with a ``lexical`` stage it then reorders them by the words they share
-    with it (:mod:`coreply.lexical`). ``withdrawn`` ids are never answered (each may hide a hit, so every
-    search fetches that many more)."""
+    with it (:mod:`coreply.lexical`). ``withdrawn`` ids are never answered: every search fetches that
+    many more hits and keeps those a pool without them would return."""
 
     def __init__(
         self,
@@ -223,17 +224,18 @@ class Pipeline:
         depth for a served request, at most 100 candidates by default), then keeps ``n[i]``."""
         guard = self.guard is not None
         fetch = [max(m, self.lexical.depth) for m in n] if self.lexical else n
-        k = max(q.depth(m) for q, m in zip(queries, fetch, strict=True)) + len(self.withdrawn)
-        k = min(k + (restatement.MARGIN if guard else 0), len(self.texts))
+        live = len(self.texts) - len(self.withdrawn)  # the answerable pool
+        k = max(q.depth(m) for q, m in zip(queries, fetch, strict=True))
+        k = min(k + (restatement.MARGIN if guard else 0), live)
         out: list[Candidates | None] = [None] * len(queries)
         todo = list(range(len(queries)))
         timings: dict[str, float] = {}
         while todo:
-            hits = self.retrieve([queries[i].context for i in todo], k)
+            hits = self.retrieve([queries[i].context for i in todo], k + len(self.withdrawn))
             for stage, seconds in getattr(self.retrieve, "timings", {}).items():
                 timings[stage] = timings.get(stage, 0.0) + seconds
-            keep = self._answerable([queries[i] for i in todo], hits.ids)
-            deeper = min(k * restatement.DEEPEN, restatement.MAX_DEPTH + len(self.withdrawn), len(self.texts))
+            keep = self._answerable([queries[i] for i in todo], hits.ids, k)
+            deeper = min(k * restatement.DEEPEN, restatement.MAX_DEPTH, live)
             short = []
             for row, i in enumerate(todo):
                 if len(keep[row]) < n[i] and guard and not queries[i].allow_restatements and deeper > k:
@@ -269,10 +271,11 @@ class Pipeline:
             self._word_sets = restatement.WordSets(self.texts)
         return self._word_sets
 
-    def _answerable(self, queries: Sequence[Query], ids: np.ndarray) -> list[list[int]]:
-        """Per query, the positions of its hit ``ids`` [B, k] that :meth:`Query.keep` allows and, unless
-        the query allows restatements, that do not restate its context (one guard call for all)."""
-        keep = [q.keep(row, self.keys, self.withdrawn) for q, row in zip(queries, ids, strict=True)]
+    def _answerable(self, queries: Sequence[Query], ids: np.ndarray, depth: int) -> list[list[int]]:
+        """Per query, the positions of its hit ``ids`` [B, depth + withdrawn] that :meth:`Query.keep`
+        allows and, unless the query allows restatements, that do not restate its context (one guard call
+        for all)."""
+        keep = [q.keep(row, self.keys, self.withdrawn, depth) for q, row in zip(queries, ids, strict=True)]
         guarded = [i for i, q in enumerate(queries) if not q.allow_restatements]
         if self.guard is None or self.turn_vectors is None or not guarded:
             return keep

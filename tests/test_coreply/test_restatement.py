@@ -141,6 +141,38 @@ def test_a_query_the_guard_leaves_short_is_searched_again_deeper(monkeypatch):
     assert got.ids.tolist() == [] and retriever.asked == [7, 20]  # nothing left within MAX_DEPTH
 
 
+class CountingRetriever(ToyRetriever):
+    """Also records how many pool vectors each guard call reads."""
+
+    def __init__(self, pool: list[str]) -> None:
+        super().__init__(pool)
+        self.read: list[int] = []
+
+    def vectors(self, ids):
+        self.read.append(len(ids))
+        return super().vectors(ids)
+
+
+@pytest.mark.parametrize(
+    ("pool", "gone", "n"),
+    [
+        (POOL, {1, 3}, 3),
+        (POOL, {11, 12}, 3),  # withdrawn beyond the hits the answer needs
+        (["ask"] * 40 + ["reply one"], {0, 1}, 1),  # searched again deeper
+    ],
+)
+def test_withdrawn_responses_answer_as_a_pool_without_them_and_the_guard_reads_no_more(pool, gone, n):
+    with_them = CountingRetriever(pool)
+    withdrawn = Pipeline(
+        with_them, pool, [normalize(t) for t in pool], guard=restatement.Guard(COS25, COS25), withdrawn=gone
+    )
+    without = CountingRetriever([t for i, t in enumerate(pool) if i not in gone])
+    (got,) = withdrawn.recall([Query(("question",))], [n])
+    (want,) = guarded(without).recall([Query(("question",))], [n])
+    assert [pool[i] for i in got.ids] == [without.pool[i] for i in want.ids] and len(got.ids) == n
+    assert with_them.asked == [k + len(gone) for k in without.asked] and with_them.read == without.read
+
+
 def test_the_guard_needs_response_vectors():
     def bm25_like(contexts, k):
         return Hits(np.zeros((len(contexts), k), dtype=int), np.zeros((len(contexts), k)))
