@@ -75,6 +75,7 @@ def build_router(settings: Settings, request_model: type) -> APIRouter:
             "status": "ready",
             "bundle_version": engine.bundle.version,
             "responses": len(engine.bundle.texts),
+            "withdrawn": len(engine.bundle.withdrawn),
             "backend": engine.backend.name,
             "reranker": engine.pipeline.reranker,
             "rerank_gate": engine.pipeline.gate if engine.settings.rerank_gate else None,

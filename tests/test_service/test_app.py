@@ -46,7 +46,7 @@ def test_ready_and_health(client):
     assert client.get("/healthz").json() == {"status": "ok"}
     ready = client.get("/readyz").json()
     assert ready["status"] == "ready" and ready["reranker"] and ready["backend"] == "onnx"
-    assert ready["threads"] == 1 and ready["responses"] == 13
+    assert ready["threads"] == 1 and ready["responses"] == 13 and ready["withdrawn"] == 0
 
 
 def test_respond_ranks_by_fused_score(client):
@@ -647,6 +647,23 @@ def test_hot_reload_swaps_a_valid_bundle_and_keeps_serving_through_a_corrupt_one
     assert 'coreply_reloads_total{result="ok"} 1.0' in metrics
     assert 'coreply_reloads_total{result="failed"} 1.0' in metrics
     assert f'coreply_bundle_info{{version="{second}"}} 1.0' in metrics and first not in metrics
+
+
+def test_a_withdrawn_response_is_not_answered_after_a_reload_and_readyz_counts_it(tiny_bundle, tmp_path):
+    import shutil
+
+    from index_builder.withdraw import withdraw
+
+    shutil.copytree(tiny_bundle, tmp_path / "b")
+    app = create_app(Settings(bundle=tmp_path / "b", threads=1))
+    question = TOPICS["pet"][0]
+    with TestClient(app) as c:
+        before = [r["id"] for r in post(c, context=[question], top_k=3, fusion="sum").json()["responses"]]
+        withdraw(tmp_path / "b", [before[0]])
+        assert c.portal.call(app.reload) is True
+        after = [r["id"] for r in post(c, context=[question], top_k=3, fusion="sum").json()["responses"]]
+        assert c.get("/readyz").json()["withdrawn"] == 1
+    assert after[:2] == before[1:] and len(after) == 3
 
 
 def test_cascade_steps_up_under_queueing_down_when_it_clears_and_respects_floors():
