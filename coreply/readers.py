@@ -90,7 +90,7 @@ def read_pool(path: str | Path) -> tuple[list[str], list[dict[str, Any]]]:
                 texts = [line.rstrip("\n") for line in fh if line.strip()]
             metadata = [{} for _ in texts]
     if not texts:
-        raise DataError(f"{path}: empty pool")
+        raise DataError(f"{path}: no text in it (one per line, or JSONL with a 'text' field per line)")
     return texts, metadata
 
 

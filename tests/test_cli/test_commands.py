@@ -222,8 +222,10 @@ def test_index_build_add_verify(tmp_path, tiny_core):
     assert "2 withdrawn)" in coreply("index", "info", str(out)).stdout
     back = coreply("index", "withdraw", str(out), "--texts", str(more), "--restore")
     assert back.returncode == 0 and "1 restored; 1 of 3" in back.stdout, back.stderr
+    (tmp_path / "blank.txt").write_text("\n  \n")
     for flags, message in [
         ((), "name the responses with --ids, --texts or both"),
+        (("--texts", str(tmp_path / "blank.txt")), "blank.txt: no text in it (one per line"),
         (("--ids", "3"), "--ids: 3 is not a response of this bundle (its ids are 0 to 2)"),
         (("--ids", "-1"), "argument --ids: must be >= 0, got -1"),
         (("--texts", str(tmp_path / "nope.txt")), "nope.txt: no such file"),
