@@ -112,8 +112,9 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _consistent(self) -> Settings:
         if self.cascade_low_ms > self.cascade_high_ms:
-            raise ValueError("cascade_low_ms exceeds cascade_high_ms")
+            low, high = self.cascade_low_ms, self.cascade_high_ms
+            raise ValueError(f"COREPLY_CASCADE_LOW_MS ({low}) exceeds COREPLY_CASCADE_HIGH_MS ({high})")
         if self.default_candidates > self.max_candidates:
             n, most = self.default_candidates, self.max_candidates
-            raise ValueError(f"default_candidates ({n}) exceeds max_candidates ({most})")
+            raise ValueError(f"COREPLY_DEFAULT_CANDIDATES ({n}) exceeds COREPLY_MAX_CANDIDATES ({most})")
         return self

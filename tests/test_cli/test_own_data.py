@@ -79,6 +79,10 @@ def test_serve_names_an_environment_only_setting_without_a_flag(capsys, monkeypa
     code, _, err = run(capsys, "serve")
     assert code == 2 and "COREPLY_MIN_RETRIEVAL_SCORE: Input should be a finite number" in err, err
     assert "--min-retrieval-score" not in err  # serve has no such flag
+    monkeypatch.delenv("COREPLY_MIN_RETRIEVAL_SCORE")
+    monkeypatch.setenv("COREPLY_DEFAULT_CANDIDATES", "500")  # each is fine, the two together are not
+    code, _, err = run(capsys, "serve")
+    assert code == 2 and "COREPLY_DEFAULT_CANDIDATES (500) exceeds COREPLY_MAX_CANDIDATES (100)" in err, err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this host has CUDA")
