@@ -12,9 +12,13 @@ from pydantic import (
     StrictBool,
     StrictInt,
     StrictStr,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
     create_model,
     field_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from coreply.ranking import Fusion
 from service.settings import Settings
@@ -33,8 +37,23 @@ class RespondBase(BaseModel):
 
 
 def respond_request_model(settings: Settings) -> type[RespondBase]:
-    utterance = Annotated[StrictStr, Field(min_length=1, max_length=settings.max_utterance_chars)]
-    excluded = StrictInt | Annotated[StrictStr, Field(max_length=settings.max_utterance_chars)]
+    most = settings.max_utterance_chars
+    utterance = Annotated[StrictStr, Field(min_length=1, max_length=most)]
+
+    def id_or_text(value: Any, handler: ValidatorFunctionWrapHandler) -> int | str:
+        try:
+            return handler(value)
+        except ValidationError:  # one message for the item, not one per member of the union
+            raise PydanticCustomError(
+                "id_or_text",
+                "Input should be a response id (an integer, 0 or more) or a text of at most "
+                f"{most} characters",
+            ) from None
+
+    excluded = Annotated[
+        Annotated[StrictInt, Field(ge=0)] | Annotated[StrictStr, Field(max_length=most)],
+        WrapValidator(id_or_text),
+    ]
     return create_model(
         "RespondRequest",
         __base__=RespondBase,

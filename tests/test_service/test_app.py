@@ -264,6 +264,8 @@ def test_limits_n_ok_n_plus_one_refused(client, field, ok, bad):
         ({"context": ["hi"], "fusion": "max"}, "fusion"),
         ({"context": ["hi"], "surprise": 1}, "surprise"),
         ({"context": ["hi"], "top_k": 5, "n_candidates": 3}, "top_k"),
+        ({"context": ["hi"], "exclude": [3, -1]}, "exclude.1"),
+        ({"context": ["hi"], "exclude": [1.5]}, "exclude.0"),
     ],
 )
 def test_bad_requests_name_the_field(client, body, field):
