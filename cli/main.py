@@ -783,6 +783,12 @@ def _index_parser(sub) -> None:
     i = isub.add_parser("info", help="what a bundle holds: pool, index, models, fusion, sizes, build command")
     i.add_argument("bundle")
     i.add_argument("--json", action="store_true", help="print the manifest instead")
+    i.add_argument(
+        "--withdrawn",
+        action="store_true",
+        help="print the withdrawn responses instead, one JSON line each ({'id': ..., 'text': ...}: a file "
+        "`index withdraw --texts` reads, to withdraw them from another bundle or put them back)",
+    )
 
 
 def _withdraw(args: argparse.Namespace) -> int:
@@ -813,6 +819,12 @@ def _cmd_index(args: argparse.Namespace) -> int:
 
         if args.json:
             print(json.dumps(read_manifest(Path(args.bundle)), indent=2))
+        elif args.withdrawn:
+            from index_builder.withdraw import withdrawn_of
+
+            read_manifest(Path(args.bundle), verify=False)  # no bundle there: an error, not no lines
+            for i, text in withdrawn_of(Path(args.bundle))[1]:
+                print(json.dumps({"id": i, "text": text}, ensure_ascii=False))
         else:
             for label, value in describe(args.bundle):
                 print(f"{label:<10} {value}")
@@ -1157,7 +1169,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from coreply.readers import DataError
 
     try:
-        return COMMANDS[args.command](args)
+        code = COMMANDS[args.command](args)
+        sys.stdout.flush()  # a reader gone by now is met here, not in the flush at exit
+        return code
+    except BrokenPipeError:  # whoever read the output stopped (`| head`): nothing to report, and nothing
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # left to flush at exit
+        return 1
     except (CliError, DataError, CheckpointError, BundleError, ValueError, OSError) as exc:
         # OSError: a path that cannot be written (not a folder, no permission, a full disk), as the OS says
         print(f"coreply {args.command}: error: {exc}", file=sys.stderr)

@@ -52,6 +52,7 @@ from coreply.tokenization import flat_pieces
 from evaluation.metrics import paired_bootstrap, summarize
 from evaluation.protocols import choose_gate, choose_zscore_weight, ranks_for, retrieve_and_rerank
 from index_builder.faiss_index import EXACT, check_index_spec, make_index, recall_vs_exact
+from index_builder.withdraw import carry_over
 
 ONNX_CHOICES = ("int8", "fp32", "none")
 SIGNIFICANT = 0.05
@@ -344,6 +345,9 @@ def build_bundle(
             "host": f"{platform.machine()} {platform.system()}, {torch_device}",
         }
         manifest["additions"] = []
+        withdrawn = carry_over(final, bundle.keys, tmp)
+        if withdrawn:
+            manifest["withdrawn"] = withdrawn
         return finish(tmp, final, manifest)
 
 

@@ -3,13 +3,27 @@
 from __future__ import annotations
 
 import datetime as dt
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from coreply.artifacts import changes, link_or_copy, staging
-from coreply.bundle import MAX_WITHDRAWN, WITHDRAWN, finish, load_bundle, write_withdrawn
+from coreply.bundle import (
+    MANIFEST,
+    MAX_WITHDRAWN,
+    RESPONSES,
+    WITHDRAWN,
+    finish,
+    load_bundle,
+    read_manifest,
+    read_responses,
+    read_withdrawn,
+    write_withdrawn,
+)
 from coreply.text import normalize
+
+LOG = logging.getLogger(__name__)
 
 
 @changes("coreply index withdraw")
@@ -40,10 +54,9 @@ def withdraw(
     changed = len(now ^ bundle.withdrawn)
     if not changed:
         return bundle.manifest, 0, unknown
-    at = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     history = [
         *bundle.manifest.get("withdrawn", {}).get("history", []),
-        {"restored" if restore else "withdrawn": changed, "at": at},
+        {"restored" if restore else "withdrawn": changed, "at": _now()},
     ]
     entry = {"count": len(now), "history": history}
     manifest = {**bundle.manifest, "withdrawn": entry}  # finish() writes its files and version anew
@@ -53,3 +66,52 @@ def withdraw(
                 link_or_copy(root / name, tmp / name)
         write_withdrawn(tmp, now)
         return finish(tmp, root, manifest), changed, unknown
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def withdrawn_of(root: Path) -> tuple[str, list[tuple[int, str]]]:
+    """The version of the bundle at ``root`` and its withdrawn responses as (id, text), read without
+    loading its index; ("", []) where there is no bundle."""
+    if not (root / MANIFEST).is_file():
+        return "", []
+    manifest = read_manifest(root, verify=False)
+    if not manifest.get("withdrawn"):
+        return manifest["bundle_version"], []
+    texts = read_responses(root / RESPONSES)[0]
+    return manifest["bundle_version"], [
+        (i, texts[i]) for i in sorted(read_withdrawn(root, manifest, len(texts)))
+    ]
+
+
+def carry_over(old: Path, keys: Sequence[str], tmp: Path) -> dict[str, Any] | None:
+    """A bundle built again at ``old``'s path (a new model or recipe, the default bundle after an upgrade)
+    keeps withdrawn what the one it replaces had withdrawn, matched by normalised text among ``keys``
+    (the new pool's), so a rebuild never serves them again: writes withdrawn.json into ``tmp`` and
+    returns the manifest's entry (None where nothing stays withdrawn)."""
+    try:
+        version, gone = withdrawn_of(old)
+    except (OSError, ValueError) as exc:  # a BundleError too
+        LOG.warning(
+            "note: %s: the bundle this build replaces is unreadable (%s); no withdrawal carried over",
+            old,
+            exc,
+        )
+        return None
+    if not gone:
+        return None
+    rows = {key: i for i, key in enumerate(keys)}
+    ids = frozenset(rows[key] for key in (normalize(text) for _, text in gone) if key in rows)
+    LOG.warning(
+        "note: %d responses withdrawn from the bundle this build replaces stay withdrawn (%d of its %d are "
+        "not in the new pool); `coreply index withdraw --restore` serves them again",
+        len(ids),
+        len(gone) - len(ids),
+        len(gone),
+    )
+    if not ids:
+        return None
+    write_withdrawn(tmp, ids)
+    return {"count": len(ids), "history": [{"carried": len(ids), "from": version, "at": _now()}]}

@@ -220,6 +220,18 @@ def test_index_build_add_verify(tmp_path, tiny_core):
     gone = coreply("index", "withdraw", str(out), "--ids", "0", "--texts", str(more))
     assert gone.returncode == 0 and "2 withdrawn; 2 of 3 responses withdrawn" in gone.stdout, gone.stderr
     assert "2 withdrawn)" in coreply("index", "info", str(out)).stdout
+    listed = coreply("index", "info", str(out), "--withdrawn").stdout
+    assert [json.loads(line) for line in listed.splitlines()] == [
+        {"id": 0, "text": "i love pizza"},
+        {"id": 2, "text": "see you soon"},
+    ]
+    reader_gone = subprocess.Popen(  # `| head -0`: the pipe is closed before a line is written
+        [sys.executable, "-m", "cli", "index", "info", str(out), "--withdrawn"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    reader_gone.stdout.close()
+    assert reader_gone.wait(60) == 1 and reader_gone.stderr.read() == b""  # no error, no traceback
     back = coreply("index", "withdraw", str(out), "--texts", str(more), "--restore")
     assert back.returncode == 0 and "1 restored; 1 of 3" in back.stdout, back.stderr
     (tmp_path / "blank.txt").write_text("\n  \n")

@@ -309,6 +309,28 @@ def test_withdrawn_responses_are_never_answered_keep_every_id_and_come_back(
         withdraw(path, [size])
 
 
+def test_a_bundle_built_again_over_one_keeps_its_withdrawals_by_text(tmp_path, tiny_core, caplog):
+    """A new model or recipe rebuilds a bundle in place (the default bundle after an upgrade): what was
+    withdrawn must not come back, though the ids move."""
+    path, bi = tmp_path / "b", str(tiny_core / "bi")
+    pool = ["one reply", "two replies", "three replies", "four replies"]
+    build_bundle(path, pool, bi=bi, onnx="none", progress=False)
+    assert "withdrawn" not in load_bundle(path).manifest  # a first build has nothing to carry
+    old = withdraw(path, [1, 3])[0]["bundle_version"]
+    with caplog.at_level(logging.WARNING):
+        build_bundle(
+            path, ["FOUR replies", "three replies", "new", "Two replies"], bi=bi, onnx="none", progress=False
+        )
+    bundle = load_bundle(path)
+    assert sorted(bundle.texts[i] for i in bundle.withdrawn) == ["FOUR replies", "Two replies"]
+    assert bundle.manifest["withdrawn"]["history"][0]["from"] == old
+    assert (
+        "2 responses withdrawn from the bundle this build replaces stay withdrawn (0 of its 2" in caplog.text
+    )
+    build_bundle(path, ["FOUR replies", "new"], bi=bi, onnx="none", progress=False)
+    assert load_bundle(path).withdrawn == {0}  # "Two replies" left the pool, and with it its withdrawal
+
+
 def test_withdrawals_past_the_cap_or_out_of_range_are_refused(tmp_path, tiny_bundle, monkeypatch):
     import index_builder.withdraw
 
