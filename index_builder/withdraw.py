@@ -41,8 +41,7 @@ def withdraw(
     for i in ids:
         if not 0 <= i < count:
             raise ValueError(f"--ids: {i} is not a response of this bundle (its ids are 0 to {count - 1})")
-    rows = {key: i for i, key in enumerate(bundle.keys)}
-    found = [rows.get(normalize(t)) for t in texts]
+    found = _rows_of(bundle.keys, texts)
     unknown = [t for t, i in zip(texts, found, strict=True) if i is None]
     chosen = {*ids, *(i for i in found if i is not None)}
     now = bundle.withdrawn - chosen if restore else bundle.withdrawn | chosen
@@ -72,11 +71,15 @@ def _now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
+def _rows_of(keys: Sequence[str], texts: Sequence[str]) -> list[int | None]:
+    """The id of each of ``texts`` in a pool of normalised ``keys``, matched normalised (None: not held)."""
+    rows = {key: i for i, key in enumerate(keys)}
+    return [rows.get(normalize(t)) for t in texts]
+
+
 def withdrawn_of(root: Path) -> tuple[str, list[tuple[int, str]]]:
     """The version of the bundle at ``root`` and its withdrawn responses as (id, text), read without
-    loading its index; ("", []) where there is no bundle."""
-    if not (root / MANIFEST).is_file():
-        return "", []
+    loading its index (a BundleError where there is no bundle)."""
     manifest = read_manifest(root, verify=False)
     if not manifest.get("withdrawn"):
         return manifest["bundle_version"], []
@@ -91,6 +94,8 @@ def carry_over(old: Path, keys: Sequence[str], tmp: Path) -> dict[str, Any] | No
     keeps withdrawn what the one it replaces had withdrawn, matched by normalised text among ``keys``
     (the new pool's), so a rebuild never serves them again: writes withdrawn.json into ``tmp`` and
     returns the manifest's entry (None where nothing stays withdrawn)."""
+    if not (old / MANIFEST).is_file():  # a first build
+        return None
     try:
         version, gone = withdrawn_of(old)
     except (OSError, ValueError) as exc:  # a BundleError too
@@ -102,8 +107,7 @@ def carry_over(old: Path, keys: Sequence[str], tmp: Path) -> dict[str, Any] | No
         return None
     if not gone:
         return None
-    rows = {key: i for i, key in enumerate(keys)}
-    ids = frozenset(rows[key] for key in (normalize(text) for _, text in gone) if key in rows)
+    ids = frozenset(i for i in _rows_of(keys, [text for _, text in gone]) if i is not None)
     LOG.warning(
         "note: %d responses withdrawn from the bundle this build replaces stay withdrawn (%d of its %d are "
         "not in the new pool); `coreply index withdraw --restore` serves them again",
