@@ -8,7 +8,8 @@ the chitchat test contexts), four ways to score and take the top k:
 - ``float32-slices``: :class:`coreply.bundle.TorchExactIndex` in one float32 pass, numpy's BLAS on one
   thread per slice of the pool (section 15);
 - ``served``: the same index as served: two passes, fp16 (a few queries) or bf16 (larger blocks, where
-  the CPU has bf16 dot products) then float32 (section 16), else as ``float32-slices``;
+  the CPU has bf16 dot products) then float32 (section 16), else, and on a CPU with AMX tiles (section 27:
+  the first pass wins there only in a tight loop like this one's), as ``float32-slices``;
 - ``torch-fp16``: the vectors and queries in fp16, one torch matmul (not exact).
 
 Median ms per batch over ``--rounds`` calls, each on queries of its own, and the share of all those

@@ -359,12 +359,14 @@ class TorchExactIndex:
 
     def __init__(self, vectors: Any, passes: Sequence[FirstPass] | None = None) -> None:
         """``passes``: the first passes of :meth:`_two_pass` on a CPU with float32 vectors, each for blocks
-        of up to its ``max_queries``; by default what suits this CPU (fp16 for a few queries, and bf16
-        for larger blocks where the CPU has bf16 dot products); () searches in one float32 pass always
-        (``bench/search_kernels.py`` compares them)."""
+        of up to its ``max_queries``; by default what suits this CPU as served: none where it has AMX
+        tiles (its oneDNN low-precision products read a pool from memory slower than float32's BLAS),
+        else fp16 for a few queries and, where it has bf16 dot products, bf16 for larger blocks; ()
+        searches in one float32 pass always (``bench/search_kernels.py`` compares them in a tight loop,
+        ``bench/serve_profile.py`` as served)."""
         import torch
 
-        from coreply.device import cpu_has_bf16_dot, one_openmp_thread
+        from coreply.device import cpu_has_amx, cpu_has_bf16_dot, one_openmp_thread
 
         self.vectors = vectors  # torch.Tensor [N, D]
         self.ntotal = len(vectors)
@@ -372,7 +374,12 @@ class TorchExactIndex:
         self._scale = float(vectors.norm(dim=1).max()) if len(vectors) else 0.0
         cpu_fp32 = vectors.device.type == "cpu" and vectors.dtype == torch.float32
         if passes is None:
-            passes = [replace(FP16_PASS, max_queries=2), BF16_PASS] if cpu_has_bf16_dot() else [FP16_PASS]
+            if cpu_has_amx():  # one float32 pass is faster as served (docs/performance.md section 27)
+                passes = ()
+            elif cpu_has_bf16_dot():
+                passes = [replace(FP16_PASS, max_queries=2), BF16_PASS]
+            else:
+                passes = [FP16_PASS]
         # one _LowCopy per first pass, the one for the smallest blocks first
         self._passes: list[_LowCopy] = []
         if cpu_fp32 and 0 < self._scale < float("inf"):

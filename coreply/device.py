@@ -78,6 +78,13 @@ def cpu_has_bf16_dot() -> bool:
     return _cpu_supports("avx512_bf16", "amx_tile")
 
 
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles. On such a host (an Intel Xeon with a 480 MB L3) the exact search's
+    low-precision first pass wins only while the pool sits in cache: as served, between the encoders
+    and the reranker, one float32 pass is faster (docs/performance.md §27)."""
+    return _cpu_supports("amx_tile")
+
+
 def batch_scale(device: torch.device) -> int:
     """How many times larger an inference batch is on a GPU than on a CPU. At CPU sizes (4,096 padded
     tokens) an H100's time per batch is mostly launches and a host sync: validation scored pairs at about

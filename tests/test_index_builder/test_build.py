@@ -703,6 +703,20 @@ def test_two_pass_search_is_exact_and_searches_again_when_the_first_pass_cannot_
     assert TorchExactIndex(torch.ones(600, 16), passes=())._passes == []
 
 
+@pytest.mark.parametrize(
+    ("amx", "bf16", "want"),
+    [(True, True, []), (False, True, [("float16", 2), ("bfloat16", 256)]), (False, False, [("float16", 4)])],
+    ids=["amx", "bf16-dot", "neither"],
+)
+def test_the_default_first_passes_are_those_that_pay_as_served_on_this_cpu(monkeypatch, amx, bf16, want):
+    import coreply.device
+
+    monkeypatch.setattr(coreply.device, "cpu_has_amx", lambda: amx)
+    monkeypatch.setattr(coreply.device, "cpu_has_bf16_dot", lambda: bf16)
+    passes = TorchExactIndex(torch.randn(600, 16))._passes
+    assert [(low.first.dtype, low.first.max_queries) for low in passes] == want
+
+
 def test_search_moves_only_exact_indexes(tiny_bundle):
     bundle = load_bundle(tiny_bundle)
     moved = search_on(bundle, "cpu")
