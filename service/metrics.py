@@ -47,6 +47,12 @@ class Metrics:
             registry=r,
         )
         self.bundle = Gauge("coreply_bundle_info", "The loaded bundle (value 1)", ["version"], registry=r)
+        self.pool = Gauge(
+            "coreply_pool_responses",
+            "Responses in the loaded bundle's pool: answerable, or withdrawn (`coreply withdraw`)",
+            ["state"],
+            registry=r,
+        )
         self.ready = Gauge("coreply_ready", "1 when the bundle is loaded and warmed up", registry=r)
         self.cascade_level = Gauge(
             "coreply_cascade_level", "Load-adaptive cascade level (0 = full work)", registry=r

@@ -83,9 +83,18 @@ class ServiceState:
             raise
         return engine
 
+    def _publish(self, engine: Engine, old: Engine | None = None) -> None:
+        """The loaded bundle in the metrics: its version, and its pool's answerable and withdrawn counts."""
+        if old is not None:
+            self.metrics.bundle.remove(old.bundle.version)
+        bundle = engine.bundle
+        self.metrics.bundle.labels(bundle.version).set(1)
+        self.metrics.pool.labels("answerable").set(len(bundle.texts) - len(bundle.withdrawn))
+        self.metrics.pool.labels("withdrawn").set(len(bundle.withdrawn))
+
     async def start(self) -> None:
         self.engine = await self._open()
-        self.metrics.bundle.labels(self.engine.bundle.version).set(1)
+        self._publish(self.engine)
         self.ready = True
         self.metrics.ready.set(0 if self.draining else 1)
 
@@ -113,8 +122,7 @@ class ServiceState:
                 LOG.error("reload failed, still serving the previous bundle", extra={"fields": fields})
                 return False
             self.engine = new
-            self.metrics.bundle.remove(old.bundle.version)
-            self.metrics.bundle.labels(new.bundle.version).set(1)
+            self._publish(new, old)
             self.metrics.reloads.labels("ok").inc()
             LOG.info("reloaded", extra={"fields": {"old": old.bundle.version, "new": new.bundle.version}})
             await old.retire(self.settings.drain_seconds)

@@ -651,7 +651,9 @@ def test_hot_reload_swaps_a_valid_bundle_and_keeps_serving_through_a_corrupt_one
     assert f'coreply_bundle_info{{version="{second}"}} 1.0' in metrics and first not in metrics
 
 
-def test_a_withdrawn_response_is_not_answered_after_a_reload_and_readyz_counts_it(tiny_bundle, tmp_path):
+def test_a_withdrawn_response_is_not_answered_after_a_reload_and_readyz_and_metrics_count_it(
+    tiny_bundle, tmp_path
+):
     import shutil
 
     from index_builder.withdraw import withdraw
@@ -660,12 +662,17 @@ def test_a_withdrawn_response_is_not_answered_after_a_reload_and_readyz_counts_i
     app = create_app(Settings(bundle=tmp_path / "b", threads=1))
     question = TOPICS["pet"][0]
     with TestClient(app) as c:
+        size = c.get("/readyz").json()["responses"]
+        assert f'coreply_pool_responses{{state="answerable"}} {size}.0' in c.get("/metrics").text
         before = [r["id"] for r in post(c, context=[question], top_k=3, fusion="sum").json()["responses"]]
         withdraw(tmp_path / "b", [before[0]])
         assert c.portal.call(app.reload) is True
         after = [r["id"] for r in post(c, context=[question], top_k=3, fusion="sum").json()["responses"]]
         assert c.get("/readyz").json()["withdrawn"] == 1
+        metrics = c.get("/metrics").text
     assert after[:2] == before[1:] and len(after) == 3
+    assert f'coreply_pool_responses{{state="answerable"}} {size - 1}.0' in metrics
+    assert 'coreply_pool_responses{state="withdrawn"} 1.0' in metrics
 
 
 def test_cascade_steps_up_under_queueing_down_when_it_clears_and_respects_floors():
