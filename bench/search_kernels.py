@@ -2,15 +2,19 @@ r"""Which matmul scores an exact search fastest on this CPU? Hosts differ from s
 is slow on some AMD EPYCs, fast on Intel Xeons), and the served search chose by measuring one host
 (docs/performance.md sections 15-16). Per batch of queries against a pool of the default bundle's shape
 (random unit vectors and random queries, or with ``--bundle`` a bundle's own vectors and its encoding of
-the chitchat test contexts), four ways to score and take the top k:
+the chitchat test contexts), five ways to score and take the top k:
 
 - ``torch``: one float32 matmul in torch (MKL), what the search was before section 15;
 - ``float32-slices``: :class:`coreply.bundle.TorchExactIndex` in one float32 pass, numpy's BLAS on one
   thread per slice of the pool (section 15);
 - ``served``: the same index as served: two passes, fp16 (a few queries) or bf16 (larger blocks, where
-  the CPU has bf16 dot products) then float32 (section 16), else, and on a CPU with AMX tiles (section 27:
-  the first pass wins there only in a tight loop like this one's), as ``float32-slices``;
+  the CPU has bf16 dot products) then float32 (section 16; with AMX tiles, a lone query in one float32
+  pass: section 27), else as ``float32-slices``;
+- ``bf16-pass``: two passes, bf16 then float32, at every block size (where the CPU has bf16 dot products);
 - ``torch-fp16``: the vectors and queries in fp16, one torch matmul (not exact).
+
+Back to back, the pool may stay in a large L3 between calls where, as served, the encoders and the reranker
+run between two searches: ``--cold MB`` reads that many megabytes before each timed call (section 27).
 
 Median ms per batch over ``--rounds`` calls, each on queries of its own, and the share of all those
 queries whose top k is exact: in float64, the returned ids score, place by place, what a float64
@@ -20,6 +24,8 @@ search's top k scores (within float32 rounding, so tied vectors may come in eith
         --out docs/search-kernels-two-pass-2026-11-27.json
     python bench/search_kernels.py --bundle artifacts/default-bundle --batch 1 2 4 8 16 64 --rounds 31 \
         --out docs/search-kernels-two-pass-bundle-2026-11-27.json
+    python bench/search_kernels.py --bundle artifacts/default-bundle --batch 1 2 4 8 16 24 32 64 128 \
+        --rounds 11 --cold 600 --out docs/search-amx-2026-11-29/search-kernels-cold.json
 """
 
 from __future__ import annotations
@@ -35,8 +41,8 @@ import torch
 
 from bench import provenance  # bench/bench.py: this script's directory is on sys.path
 from coreply.artifacts import write_json_atomic
-from coreply.bundle import TorchExactIndex, load_bundle
-from coreply.device import set_threads
+from coreply.bundle import BF16_PASS, TorchExactIndex, load_bundle
+from coreply.device import cpu_has_bf16_dot, set_threads
 
 
 def pool_and_queries(args: argparse.Namespace) -> tuple[np.ndarray, np.ndarray]:
@@ -65,11 +71,14 @@ def pool_and_queries(args: argparse.Namespace) -> tuple[np.ndarray, np.ndarray]:
     return vectors / np.linalg.norm(vectors, axis=1, keepdims=True), queries
 
 
-def timed(search: Callable[[np.ndarray], np.ndarray], blocks: np.ndarray) -> tuple[float, np.ndarray]:
-    """blocks [R + 1, B, D] -> median ms of searching blocks 1..R (block 0 warms up), and every block's
-    ids [R + 1, B, k]."""
+def timed(
+    search: Callable[[np.ndarray], np.ndarray], blocks: np.ndarray, evict: np.ndarray
+) -> tuple[float, np.ndarray]:
+    """blocks [R + 1, B, D] -> median ms of searching blocks 1..R (block 0 warms up), each after reading
+    ``evict``, and every block's ids [R + 1, B, k]."""
     ids, times = [search(blocks[0])], []
     for block in blocks[1:]:
+        evict.sum()
         start = time.perf_counter()
         ids.append(search(block))
         times.append(1000 * (time.perf_counter() - start))
@@ -85,11 +94,14 @@ def main() -> None:
     p.add_argument("--k", type=int, default=100, help="top k")
     p.add_argument("--threads", type=int, default=2, help="torch's threads (the served search's slices)")
     p.add_argument("--rounds", type=int, default=11, help="timed calls per kernel and batch size")
+    p.add_argument("--cold", type=int, default=0, metavar="MB", help="read this many MB before each call")
     p.add_argument("--out", type=Path, help="write the result as JSON here too")
     args = p.parse_args()
     for flag in ("pool", "dim", "k", "threads", "rounds"):
         if getattr(args, flag) < 1:
             raise SystemExit(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    if args.cold < 0:
+        raise SystemExit(f"--cold must be >= 0 (MB), got {args.cold}")
     if min(args.batch) < 1:
         raise SystemExit(f"--batch: every size must be >= 1, got {args.batch}")
     if args.out and not args.out.parent.is_dir():
@@ -101,6 +113,8 @@ def main() -> None:
     vectors = torch.from_numpy(pool)
     half = vectors.half()
     served, one_pass = TorchExactIndex(vectors), TorchExactIndex(vectors, passes=())
+    bf16 = TorchExactIndex(vectors, passes=[BF16_PASS]) if cpu_has_bf16_dot() else None
+    evict = np.ones(args.cold * 2**20 // 8)  # float64
     rows = []
     with torch.inference_mode():
         for start, size in zip(np.cumsum([0, *args.batch]) * (args.rounds + 1), args.batch, strict=False):
@@ -112,19 +126,21 @@ def main() -> None:
                 "torch": lambda b: torch.topk(torch.from_numpy(b) @ vectors.T, k, dim=1).indices.numpy(),
                 "float32-slices": lambda b: one_pass.search(b, k)[1],
                 "served": lambda b: served.search(b, k)[1],
+                **({"bf16-pass": lambda b: bf16.search(b, k)[1]} if bf16 else {}),
                 "torch-fp16": lambda b: torch.topk(
                     torch.from_numpy(b).half() @ half.T, k, dim=1
                 ).indices.numpy(),
             }
             row: dict = {"batch": size}
             for name, search in kernels.items():
-                ms, ids = timed(search, blocks)
+                ms, ids = timed(search, blocks, evict)
                 ranked = np.take_along_axis(scores64, ids, axis=2)  # [R + 1, B, k]
                 same = float(np.mean(np.all(np.abs(ranked - best) <= tolerance, axis=2)))
                 row[name] = {"ms": round(ms, 2), "exact_top_k": round(same, 4)}
             rows.append(row)
             print(row, flush=True)
-    result = {**provenance(), "pool": list(pool.shape), "k": k, "threads": args.threads, "rows": rows}
+    result = {**provenance(), "pool": list(pool.shape), "k": k, "threads": args.threads, "cold_mb": args.cold,
+              "rows": rows}  # fmt: skip
     if args.out:
         write_json_atomic(args.out, result)
         print(f"wrote {args.out}")

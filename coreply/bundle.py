@@ -312,14 +312,16 @@ SEARCH_BLOCK = 256
 @dataclass(frozen=True)
 class FirstPass:
     """A low-precision copy of the pool that picks an exact search's candidates (:meth:`TorchExactIndex.
-    _two_pass`) for blocks of up to ``max_queries`` queries. ``error``: the most it may get wrong a score
-    between a unit query and a pool vector scaled to norm at most 1. Rounding both to the dtype (u each,
-    u = 2^-11 for fp16, 2^-8 for bf16), the product's rounding to it (u) and float32 accumulation (about
-    2e-5) add up to 3u: fp16's 2^-8 leaves three times that, bf16's 2^-6 a third more."""
+    _two_pass`) for blocks of ``min_queries`` to ``max_queries`` queries. ``error``: the most it may get
+    wrong a score between a unit query and a pool vector scaled to norm at most 1. Rounding both to the
+    dtype (u each, u = 2^-11 for fp16, 2^-8 for bf16), the product's rounding to it (u) and float32
+    accumulation (about 2e-5) add up to 3u: fp16's 2^-8 leaves three times that, bf16's 2^-6 a third
+    more."""
 
     dtype: str
     max_queries: int
     error: float
+    min_queries: int = 1
 
 
 FP16_PASS = FirstPass("float16", 4, 2.0**-8)
@@ -329,6 +331,10 @@ queries where bf16 is not fast (beyond that fp16's matmul is no faster than floa
 BF16_PASS = FirstPass("bfloat16", SEARCH_BLOCK, 2.0**-6)
 """On a CPU with bf16 dot products (AVX-512 BF16, AMX) a block of queries multiplies about three times
 faster in bf16 than in float32 (docs/performance.md section 16)."""
+
+AMX_PASS = replace(BF16_PASS, min_queries=2)
+"""On a CPU with AMX tiles, bf16 for blocks of two queries or more: a lone query searches faster in one
+float32 pass once the pool is not in cache, as served (docs/performance.md section 27)."""
 
 
 @dataclass
@@ -340,6 +346,10 @@ class _LowCopy:
     pool: Any
     queries: int = 0
     again: int = 0
+
+    def takes(self, queries: int) -> bool:
+        """Whether this pass is for a block of this many queries."""
+        return self.first.min_queries <= queries <= self.first.max_queries
 
     def pays(self) -> bool:
         """Whether to keep using it: past 256 queries, at most one in eight searched again. Pools whose
@@ -359,11 +369,10 @@ class TorchExactIndex:
 
     def __init__(self, vectors: Any, passes: Sequence[FirstPass] | None = None) -> None:
         """``passes``: the first passes of :meth:`_two_pass` on a CPU with float32 vectors, each for blocks
-        of up to its ``max_queries``; by default what suits this CPU as served: none where it has AMX
-        tiles (its oneDNN low-precision products read a pool from memory slower than float32's BLAS),
-        else fp16 for a few queries and, where it has bf16 dot products, bf16 for larger blocks; ()
-        searches in one float32 pass always (``bench/search_kernels.py`` compares them in a tight loop,
-        ``bench/serve_profile.py`` as served)."""
+        of its ``min_queries`` to ``max_queries``; by default what suits this CPU as served: where it
+        has AMX tiles bf16 for blocks of two or more and one float32 pass for a lone query, else fp16
+        for a few queries and, where it has bf16 dot products, bf16 for larger blocks; () searches in
+        one float32 pass always (``bench/search_kernels.py`` compares them, ``--cold`` as served)."""
         import torch
 
         from coreply.device import cpu_has_amx, cpu_has_bf16_dot, one_openmp_thread
@@ -374,8 +383,8 @@ class TorchExactIndex:
         self._scale = float(vectors.norm(dim=1).max()) if len(vectors) else 0.0
         cpu_fp32 = vectors.device.type == "cpu" and vectors.dtype == torch.float32
         if passes is None:
-            if cpu_has_amx():  # one float32 pass is faster as served (docs/performance.md section 27)
-                passes = ()
+            if cpu_has_amx():
+                passes = [AMX_PASS]
             elif cpu_has_bf16_dot():
                 passes = [replace(FP16_PASS, max_queries=2), BF16_PASS]
             else:
@@ -410,7 +419,7 @@ class TorchExactIndex:
             q = torch.as_tensor(queries).to(self.vectors.device, self.vectors.dtype)
             k = min(k, self.ntotal)
             for block in q.split(SEARCH_BLOCK):
-                low = next((c for c in self._passes if len(block) <= c.first.max_queries), None)
+                low = next((c for c in self._passes if c.takes(len(block))), None)
                 if low is not None and low.pays() and 2 * k + 64 < self.ntotal:
                     values, indices = self._two_pass(block, k, low)
                 else:

@@ -80,8 +80,8 @@ def cpu_has_bf16_dot() -> bool:
 
 def cpu_has_amx() -> bool:
     """Whether this CPU has AMX tiles. On such a host (an Intel Xeon with a 480 MB L3) the exact search's
-    low-precision first pass wins only while the pool sits in cache: as served, between the encoders
-    and the reranker, one float32 pass is faster (docs/performance.md §27)."""
+    low-precision first pass pays for a lone query only while the pool sits in cache: as served,
+    between the encoders and the reranker, one float32 pass is faster (docs/performance.md §27)."""
     return _cpu_supports("amx_tile")
 
 

@@ -46,12 +46,14 @@ def test_serve_profile_times_the_lexical_stage_and_answers_without_it(tmp_path, 
 def test_search_kernels_time_each_way_and_check_the_ranking(tmp_path, tiny_bundle):
     out = tmp_path / "kernels.json"
     bench("search_kernels.py", "--pool", "300", "--dim", "16", "--batch", "1", "3", "--k", "10",
-          "--rounds", "2", "--out", str(out))  # fmt: skip
+          "--rounds", "2", "--cold", "1", "--out", str(out))  # fmt: skip
     result = json.loads(out.read_text())
     assert result["pool"] == [300, 16] and [r["batch"] for r in result["rows"]] == [1, 3]
+    assert result["cold_mb"] == 1
     for row in result["rows"]:
         assert row["torch"]["exact_top_k"] == row["float32-slices"]["exact_top_k"] == 1.0
         assert row["served"]["exact_top_k"] == 1.0
+        assert row.get("bf16-pass", {"exact_top_k": 1.0})["exact_top_k"] == 1.0  # where bf16 is fast
         assert all(row[name]["ms"] > 0 for name in ("torch", "float32-slices", "served", "torch-fp16"))
     bench("search_kernels.py", "--bundle", str(tiny_bundle), "--batch", "2", "--rounds", "1")
 

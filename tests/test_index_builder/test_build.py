@@ -704,17 +704,29 @@ def test_two_pass_search_is_exact_and_searches_again_when_the_first_pass_cannot_
 
 
 @pytest.mark.parametrize(
-    ("amx", "bf16", "want"),
-    [(True, True, []), (False, True, [("float16", 2), ("bfloat16", 256)]), (False, False, [("float16", 4)])],
+    ("amx", "bf16", "want", "served"),
+    [
+        (True, True, [("bfloat16", 2, 256)], [16 + 17]),
+        (False, True, [("float16", 1, 2), ("bfloat16", 1, 256)], [1, 16 + 17]),
+        (False, False, [("float16", 1, 4)], [1]),
+    ],
     ids=["amx", "bf16-dot", "neither"],
 )
-def test_the_default_first_passes_are_those_that_pay_as_served_on_this_cpu(monkeypatch, amx, bf16, want):
+def test_the_default_first_passes_are_those_that_pay_as_served_on_this_cpu(
+    monkeypatch, amx, bf16, want, served
+):
     import coreply.device
 
     monkeypatch.setattr(coreply.device, "cpu_has_amx", lambda: amx)
     monkeypatch.setattr(coreply.device, "cpu_has_bf16_dot", lambda: bf16)
-    passes = TorchExactIndex(torch.randn(600, 16))._passes
-    assert [(low.first.dtype, low.first.max_queries) for low in passes] == want
+    index, queries = flat_index_and_queries()
+    searcher = TorchExactIndex.of(index, "cpu")
+    passes = searcher._passes
+    assert [(low.first.dtype, low.first.min_queries, low.first.max_queries) for low in passes] == want
+    for size in (1, 16, 17):  # each block by the pass for its size, or one float32 pass: the same ids
+        block = np.resize(queries, (size, queries.shape[1]))
+        np.testing.assert_array_equal(searcher.search(block, 10)[1], index.search(block, 10)[1])
+    assert [low.queries for low in passes] == served
 
 
 def test_search_moves_only_exact_indexes(tiny_bundle):
