@@ -175,9 +175,15 @@ def respond_body(context: list[str], n_r: int, fusion: str) -> dict:
 
 
 async def load(
-    url: str, contexts: list[list[str]], n_r: int, concurrency: int, fusion: str = "rerank"
+    url: str,
+    contexts: list[list[str]],
+    n_r: int,
+    concurrency: int,
+    fusion: str = "rerank",
+    think_ms: float = 0,
 ) -> dict:
-    """Send every context once with ``concurrency`` requests in flight; client-side latency per request."""
+    """Send every context once with ``concurrency`` clients, each pausing ``think_ms`` after an answer
+    before its next request; client-side latency per request."""
     latencies, stages, tops = [], [], []
     queue = list(enumerate(contexts))
     results: dict[int, int] = {}
@@ -194,6 +200,7 @@ async def load(
             data = response.json()
             stages.append(data["timings_ms"])
             results[i] = data["responses"][0]["id"]
+            await asyncio.sleep(think_ms / 1000)
 
     limits = httpx.Limits(max_connections=concurrency)
     async with httpx.AsyncClient(timeout=120, limits=limits) as client:
@@ -249,9 +256,10 @@ class Peer:
         return ids[int(np.argmax(scores))], stages
 
 
-def run_peer(peer: Peer, contexts: list[list[str]], n_r: int) -> dict:
+def run_peer(peer: Peer, contexts: list[list[str]], n_r: int, think_ms: float = 0) -> dict:
     latencies, stages, tops = [], [], []
     for context in contexts:
+        time.sleep(think_ms / 1000)
         start = time.perf_counter()
         top, stage = peer(context, n_r)
         latencies.append(1000 * (time.perf_counter() - start))
@@ -287,8 +295,17 @@ def main() -> None:
         help="retrieval: time recall only (bundles without a reranker, e.g. the default); no peer. "
         "default: name no fusion, so the bundle's own answers, behind its rerank gate",
     )
+    p.add_argument(
+        "--think-ms",
+        type=float,
+        default=0,
+        help="each client's pause after an answer, as a user reads and types (the peer's too); "
+        "requests/s then counts the pauses",
+    )
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    if args.think_ms < 0:
+        raise SystemExit(f"--think-ms must be >= 0, got {args.think_ms}")
     if args.fusion == "retrieval":
         args.no_peer = True
 
@@ -317,10 +334,10 @@ def main() -> None:
             if peer is not None:
                 run_peer(peer, warm, n_r)
             for concurrency in args.concurrency:
-                ours = asyncio.run(load(server.url, contexts, n_r, concurrency, args.fusion))
+                ours = asyncio.run(load(server.url, contexts, n_r, concurrency, args.fusion, args.think_ms))
                 row = {"n_r": n_r, "concurrency": concurrency, "coreply": ours}
                 if peer is not None and concurrency == 1:  # the naive script serves one request at a time
-                    theirs = run_peer(peer, contexts, n_r)
+                    theirs = run_peer(peer, contexts, n_r, args.think_ms)
                     row["peer"] = theirs
                     row["hits@1"] = {
                         side: round(
@@ -351,7 +368,8 @@ def main() -> None:
     for row in rows:
         for side in ("coreply", "peer"):
             row.get(side, {}).pop("top1", None)
-    result = {**provenance(), "bundle": ready, "peer_cross": args.peer_cross, "rows": rows}
+    result = {**provenance(), "bundle": ready, "peer_cross": args.peer_cross, "think_ms": args.think_ms,
+              "rows": rows}  # fmt: skip
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")
 

@@ -49,7 +49,7 @@ class Metrics:
         self.bundle = Gauge("coreply_bundle_info", "The loaded bundle (value 1)", ["version"], registry=r)
         self.pool = Gauge(
             "coreply_pool_responses",
-            "Responses in the loaded bundle's pool: answerable, or withdrawn (`coreply withdraw`)",
+            "Responses in the loaded bundle's pool: answerable, or withdrawn (`coreply index withdraw`)",
             ["state"],
             registry=r,
         )

@@ -87,6 +87,11 @@ def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):
     for script, args, flag in (
         ("bench.py", ["--bundle", str(tmp_path), "--out", str(other)], "--bundle: "),
         ("bench.py", ["--bundle", str(retrieval_only), "--out", str(other)], "--fusion rerank: "),
+        (
+            "bench.py",
+            ["--bundle", str(retrieval_only), "--think-ms", "-1", "--out", str(other)],
+            "--think-ms ",
+        ),
         ("serve_profile.py", ["--bundle", str(tmp_path)], "--bundle: "),
         ("serve_profile.py", ["--bundle", str(tiny_bundle), "--device", "gpu"], "--device: "),
         ("rerank_ops.py", ["--bundle", str(tiny_bundle), "--n-r", "0"], "--n-r"),
