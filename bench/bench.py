@@ -304,8 +304,8 @@ def main() -> None:
     )
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    if args.think_ms < 0:
-        raise SystemExit(f"--think-ms must be >= 0, got {args.think_ms}")
+    if not 0 <= args.think_ms < float("inf"):  # NaN too
+        raise SystemExit(f"--think-ms must be a number of milliseconds >= 0, got {args.think_ms}")
     if args.fusion == "retrieval":
         args.no_peer = True
 

@@ -114,7 +114,10 @@ def main() -> None:
     half = vectors.half()
     served, one_pass = TorchExactIndex(vectors), TorchExactIndex(vectors, passes=())
     bf16 = TorchExactIndex(vectors, passes=[BF16_PASS]) if cpu_has_bf16_dot() else None
-    evict = np.ones(args.cold * 2**20 // 8)  # float64
+    try:
+        evict = np.ones(args.cold * 2**20 // 8)  # float64
+    except MemoryError:
+        raise SystemExit(f"--cold: {args.cold} MB does not fit in this host's memory; give fewer") from None
     rows = []
     with torch.inference_mode():
         for start, size in zip(np.cumsum([0, *args.batch]) * (args.rounds + 1), args.batch, strict=False):

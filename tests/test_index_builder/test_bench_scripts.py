@@ -89,7 +89,7 @@ def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):
         ("bench.py", ["--bundle", str(retrieval_only), "--out", str(other)], "--fusion rerank: "),
         (
             "bench.py",
-            ["--bundle", str(retrieval_only), "--think-ms", "-1", "--out", str(other)],
+            ["--bundle", str(retrieval_only), "--think-ms", "nan", "--out", str(other)],
             "--think-ms ",
         ),
         ("serve_profile.py", ["--bundle", str(tmp_path)], "--bundle: "),
