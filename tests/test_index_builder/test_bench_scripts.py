@@ -67,6 +67,18 @@ def test_rerank_ops_profiles_the_onnx_reranker(tiny_bundle):
     assert "of 4 requests" in run.stdout and "MatMul" in table and "SkipLayerNormalization" not in table
 
 
+def test_int8_products_times_each_way_at_a_pair_and_a_packed_request():
+    run = bench("int8_products.py", "--hidden", "64", "--ffn", "128", "--tokens", "5", "--pairs", "3",
+                "--rounds", "2")  # fmt: skip
+    rows = [line.split() for line in run.stdout.splitlines()[2:-1]]  # between the header and the legend
+    assert [(r[0], r[2], r[3]) for r in rows] == [
+        (k, n, m) for k, n in (("64", "64"), ("64", "128"), ("128", "64")) for m in ("5", "15")
+    ]
+    for row in rows:  # four cells of (ms, "ms", GMAC/s, "GMAC/s", error): each way computes x @ w
+        errors = [float(e) for e in row[8::5]]
+        assert errors[0] == 0 and max(errors[1:3]) < 0.05 and errors[3] < 0.3, row
+
+
 def test_load_sends_a_fixed_rate_and_takes_the_bundles_own_fusion(tmp_path, tiny_bundle):
     out = tmp_path / "load.json"
     bench("load.py", "--bundle", str(tiny_bundle), "--rps", "10", "--seconds", "1", "--fusion", "default",
@@ -167,6 +179,8 @@ def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):
         ("batch_effect.py", ["--bundle", str(tmp_path)], "--bundle: "),
         ("search_kernels.py", ["--bundle", str(tmp_path)], "--bundle: "),
         ("search_kernels.py", ["--rounds", "0"], "--rounds "),
+        ("int8_products.py", ["--pairs", "0"], "--pairs "),
+        ("int8_products.py", ["--hidden", "100"], "--hidden "),
         ("search_kernels.py", ["--batch", "1", "0"], "--batch: "),
         (  # more queries than the test split has contexts
             "search_kernels.py",
