@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from coreply.config import ZERO_SHOT, ModelConfig
 from coreply.gate import GATE_FIDELITY
@@ -32,6 +32,25 @@ class CliError(Exception):
 
 
 DEFAULTS_SHOWN = {"formatter_class": argparse.ArgumentDefaultsHelpFormatter}
+
+
+class _Parser(argparse.ArgumentParser):
+    """Refuses a bad command line in one line naming the flag, like every other CLI error, instead of
+    argparse's usage block (40 lines for ``train``) above it; subcommands' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        """As argparse's, but a flag the command does not know is refused by that command's parser, so the
+        message points at its ``--help`` rather than the top one's."""
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            parser: argparse.ArgumentParser = self
+            while subs := [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]:
+                parser = subs[0].choices[getattr(parsed, subs[0].dest)]
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        return parsed
 
 
 def at_least(low: int):
@@ -1130,7 +1149,7 @@ def _cmd_compact(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="coreply", description=__doc__)
+    parser = _Parser(prog="coreply", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
     _pretrain_parser(sub)
