@@ -59,7 +59,7 @@ def own_data(tmp_path, toy_pairs):
         (["index", "build", "-o", "R", "--lexical", "1"], "--lexical: must be 'auto', 'off' or a weight in"),
         (["index", "build", "-o", "R", "--lexical", "most"], "--lexical: must be 'auto', 'off' or a weight"),
         (["index", "build", "-o", "R", "--lexical-depth", "1"], "argument --lexical-depth: must be >= 2"),
-        (["index", "build", "-o", "R", "--bogus"], "unrecognized arguments: --bogus (see `coreply index build"),
+        (["index", "build", "-o", "R", "--bogus"], "unrecognized arguments: --bogus (see `coreply index"),
         (["train", "-o", "R", "--projection-dim", "0"], "argument --projection-dim: must be >= 1, got 0"),
         (
             ["index", "build", "-o", "R", "--rerank-gate", "1"],
