@@ -32,6 +32,15 @@ def _has_pool(records: list[dict[str, Any]]) -> bool:
 LISTS, POOL = ("bi", "cross", "sum"), ("bi_pool", "cross_pool", "sum_pool")
 
 
+def _legend(ax: Any, **kwargs: Any) -> None:
+    """The panel's legend, or a note where it has no curve: validation panels of a run without validation
+    (``--valid-size 0``, or one that ended before its first)."""
+    if ax.lines:
+        ax.legend(**kwargs)
+    else:
+        ax.text(0.5, 0.5, "no validation", ha="center", transform=ax.transAxes)
+
+
 def plot_training_curves(metrics_jsonl: str | Path, out_png: str | Path) -> None:
     """Validation hits@1 of each model (on 1-of-N lists; over ``--valid-pool``'s responses in a panel of
     its own, a scale ten times smaller) and the training losses against the optimizer step."""
@@ -44,7 +53,7 @@ def plot_training_curves(metrics_jsonl: str | Path, out_png: str | Path) -> None
             if points := _valid(records, key):
                 ax.plot(*zip(*points, strict=True), marker="o", label=f"{key} valid")
         ax.set_ylabel(label)
-        ax.legend()
+        _legend(ax)
     bottom = axes[-1]
     for key in ("bi_loss", "cross_loss"):
         points = [(r["step"], r[key]) for r in records if key in r]
@@ -71,7 +80,7 @@ def plot_runs(metrics_by_run: dict[str, str | Path], out_png: str | Path) -> Non
                 if points := _valid(records, key):
                     ax.plot(*zip(*points, strict=True), style, marker="o", label=f"{run} {key}")
         ax.set_ylabel("valid hits@1, pool (%)" if keys is POOL else "valid hits@1 (%)")
-        ax.legend(fontsize=7)
+        _legend(ax, fontsize=7)
     axes[-1, 0].set_xlabel("optimizer step")
     fig.tight_layout()
     fig.savefig(out_png, dpi=100)

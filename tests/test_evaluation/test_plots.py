@@ -1,5 +1,6 @@
 import json
 import struct
+import warnings
 
 from evaluation.plots import plot_runs, plot_training_curves
 
@@ -29,3 +30,13 @@ def test_the_validation_pool_gets_a_panel_of_its_own(tmp_path):
         plot_runs({"run": metrics}, tmp_path / f"runs-{pool}.png")
         heights[pool] = [_png_size(tmp_path / f"{kind}-{pool}.png")[1] for kind in ("curves", "runs")]
     assert heights[True][0] > heights[False][0] and heights[True][1] > heights[False][1]
+
+
+def test_a_run_without_validation_plots_its_losses_without_a_warning(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"  # --valid-size 0: losses only
+    metrics.write_text(json.dumps({"step": 1, "bi_loss": 1.5, "cross_loss": 2.0}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib warned of a legend with nothing in it
+        plot_training_curves(metrics, tmp_path / "curves.png")
+        plot_runs({"run": metrics}, tmp_path / "runs.png")
+    assert _png_size(tmp_path / "curves.png")[0] > 0 and _png_size(tmp_path / "runs.png")[0] > 0
