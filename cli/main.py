@@ -1195,5 +1195,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except (CliError, DataError, CheckpointError, BundleError, ValueError, OSError) as exc:
         # OSError: a path that cannot be written (not a folder, no permission, a full disk), as the OS says
-        print(f"coreply {args.command}: error: {exc}", file=sys.stderr)
+        command = " ".join(filter(None, (args.command, getattr(args, f"{args.command}_command", None))))
+        print(f"coreply {command}: error: {exc}", file=sys.stderr)  # as argparse names it
         return 2

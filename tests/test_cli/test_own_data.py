@@ -55,7 +55,10 @@ def own_data(tmp_path, toy_pairs):
         (["report", "e.json", "--out", "gone/r.md"], "--out: gone is not a folder; create it"),
         (["index", "build", "-o", "R", "--calibrate", "-1"], "argument --calibrate: must be >= 0"),
         (["index", "build", "-o", "R", "--prior-pairs", "gone.jsonl"], "gone.jsonl: no such file"),
-        (["index", "build", "-o", "R", "--pool", "gone.txt"], "gone.txt: no such file"),
+        (
+            ["index", "build", "-o", "R", "--pool", "gone.txt"],
+            "coreply index build: error: gone.txt: no such file",
+        ),
         (["index", "build", "-o", "R", "--lexical", "1"], "--lexical: must be 'auto', 'off' or a weight in"),
         (["index", "build", "-o", "R", "--lexical", "most"], "--lexical: must be 'auto', 'off' or a weight"),
         (["index", "build", "-o", "R", "--lexical-depth", "1"], "argument --lexical-depth: must be >= 2"),
