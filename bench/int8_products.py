@@ -24,17 +24,24 @@ from onnx import TensorProto, helper, numpy_helper
 from coreply.inference import _session, quantize_graph
 
 
-def matmul_graph(w: np.ndarray) -> onnx.ModelProto:
-    """y = x @ w, for x of [M, K]."""
-    k, n = w.shape
+def linear_graph(
+    node: onnx.NodeProto, k: int, n: int, weights: list[np.ndarray], domains=("",)
+) -> onnx.ModelProto:
+    """A graph of ``node`` alone, from x [M, k] to y [M, n], its weights initializers named as its inputs."""
     graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        [node],
         "linear",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", n])],
-        [numpy_helper.from_array(w, "w")],
+        [numpy_helper.from_array(w, name) for w, name in zip(weights, node.input[1:], strict=True)],
     )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    opsets = [helper.make_opsetid(domain, 17 if domain == "" else 1) for domain in domains]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=9)
+
+
+def matmul_graph(w: np.ndarray) -> onnx.ModelProto:
+    """y = x @ w, for x of [M, K]."""
+    return linear_graph(helper.make_node("MatMul", ["x", "w"], ["y"]), *w.shape, [w])
 
 
 def nbits_graph(w: np.ndarray, bits: int, block: int) -> onnx.ModelProto:
@@ -52,15 +59,7 @@ def nbits_graph(w: np.ndarray, bits: int, block: int) -> onnx.ModelProto:
         "MatMulNBits", ["x", "w_q", "w_scales"], ["y"], domain="com.microsoft",
         K=k, N=n, bits=bits, block_size=block, accuracy_level=4,
     )  # fmt: skip
-    graph = helper.make_graph(
-        [node],
-        "linear",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", n])],
-        [numpy_helper.from_array(packed, "w_q"), numpy_helper.from_array(scales.ravel(), "w_scales")],
-    )
-    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
-    return helper.make_model(graph, opset_imports=opsets, ir_version=9)
+    return linear_graph(node, k, n, [packed, scales.ravel()], domains=("", "com.microsoft"))
 
 
 def median_ms(session, x: np.ndarray, rounds: int) -> float:

@@ -41,7 +41,9 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
-    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+    def parse_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> argparse.Namespace:
         """As argparse's, but a flag the command does not know is refused by that command's parser, so the
         message points at its ``--help`` rather than the top one's."""
         parsed, unknown = self.parse_known_args(args, namespace)
@@ -1196,5 +1198,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CliError, DataError, CheckpointError, BundleError, ValueError, OSError) as exc:
         # OSError: a path that cannot be written (not a folder, no permission, a full disk), as the OS says
         command = " ".join(filter(None, (args.command, getattr(args, f"{args.command}_command", None))))
-        print(f"coreply {command}: error: {exc}", file=sys.stderr)  # as argparse names it
+        print(f"coreply {command}: error: {exc}", file=sys.stderr)  # "index build", as in its flag errors
         return 2
