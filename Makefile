@@ -29,7 +29,8 @@ test-full: install
 	$(BIN)/python -m pytest -q -m ""
 
 # Code and its layers (ruff, import-linter: pyproject.toml), Dockerfiles (hadolint), Prometheus config and alert rules (promtool, Debian package `prometheus`),
-# Kubernetes manifests against the API schemas (strict: unknown fields fail).
+# Kubernetes manifests against the API schemas (strict: unknown fields fail), shell scripts (shellcheck: the GPU lease's
+# script has no second try).
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports --no-cache
@@ -38,6 +39,7 @@ lint: install
 	promtool check config docker/prometheus/prometheus.yml
 	promtool check rules docker/prometheus/alerts.yml
 	$(BIN)/kubernetes-validate --strict --quiet deploy/*.yaml
+	$(BIN)/shellcheck --severity=warning scripts/*.sh
 
 # The images built and run for real with podman (as root: installs podman, runc and debootstrap, makes a local
 # Debian base): CPU image served, scraped and drained; GPU image with a CPU torch; compose with Prometheus.

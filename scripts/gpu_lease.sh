@@ -145,9 +145,9 @@ fi
 # the pool's nearest paraphrases of the last turn. Copies of the context's own turns are left to an
 # ablation run: at a CPU budget they blew the first steps' loss up and set the retriever back (9.3).
 # TRAIN_EXTRA adds flags to every run (e.g. --max-batch-tokens N after the speed stage shows it pays).
-# shellcheck disable=SC2206
 MODEL=(--normalize --score-scale 20)
 read -ra CROSS_RECIPE <<<"${CROSS_RECIPE---cross-lora-rank 0 --cross-lr 1e-4}"  # "" : adapters as before
+# shellcheck disable=SC2206  # TRAIN_EXTRA: flags, split into words on purpose
 RECIPE=("${MODEL[@]}" --lora-rank 8 --lr 5e-4 "${CROSS_RECIPE[@]}" --log-every 50 --device "$DEVICE" ${TRAIN_EXTRA:-})
 RESTATE=(--paraphrase-negatives 4 --hard-pool "$HARD_POOL" --hard-refresh 200)
 STUDENT=(--num-layers 2 --max-context-tokens 33 --max-response-tokens 32)

@@ -16,7 +16,9 @@ if [ "$SCALE" = gpu ]; then
   EVAL=(--limit 0 --valid-limit 500 --n-r 10 50 100 200)
   MAE=(--max-steps "${MAE_STEPS:-2000}" --batch-size 128)
 else
+  # shellcheck disable=SC2206  # STEPS, LIMIT, POOL: numbers from the environment
   TRAIN=(--num-negatives 7 --batch-size 8 --max-steps ${STEPS:-80} --eval-every 20 --valid-size 100 --valid-candidates 20 --device cpu)
+  # shellcheck disable=SC2206
   EVAL=(--limit ${LIMIT:-200} --valid-limit 100 --n-r 10 50 --pool-limit ${POOL:-10000} --device cpu)
   MAE=(--max-steps "${MAE_STEPS:-400}" --batch-size 16 --device cpu)
 fi
