@@ -323,10 +323,15 @@ def _session(
     # FAISS. Measured on the 2-vCPU dev machine (bench/bench.py, n_r = 10): p50 190 ms instead of 260 ms
     # at concurrency 1, and 5.7 instead of 3.8 requests/s at concurrency 4.
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    providers = ["CPUExecutionProvider"]
-    if cuda and "CUDAExecutionProvider" in ort.get_available_providers():
-        providers.insert(0, "CUDAExecutionProvider")
+    providers = ["CUDAExecutionProvider"] * _on_cuda(cuda) + ["CPUExecutionProvider"]
     return ort.InferenceSession(str(path), options, providers=providers, disabled_optimizers=list(unfused))
+
+
+def _on_cuda(cuda: bool) -> bool:
+    """Whether ``_session(..., cuda)`` runs its graph on CUDA: asked for, and ONNX Runtime has it."""
+    import onnxruntime as ort
+
+    return cuda and "CUDAExecutionProvider" in ort.get_available_providers()
 
 
 class OnnxBackend(_Knowledge):
@@ -358,12 +363,13 @@ class OnnxBackend(_Knowledge):
         self.batch_size = batch_size
         self.bi_tokenizer, self.cross_tokenizer = bi_tokenizer, cross_tokenizer
         self.threads, self.cuda = threads, cuda
-        self.context = _session(onnx_dir / ONNX_FILES["context"], threads, cuda)
-        self.on_cpu = "CUDAExecutionProvider" not in self.context.get_providers()
-        # Responses and pairs come many rows at a time, spread over `threads` callers: each row on one
-        # thread is 10-25 % faster than each on all of them, the same floats (docs/performance.md §19). A
-        # context is most often a request's only row, where its operators gain from the threads.
-        self.response = _session(onnx_dir / ONNX_FILES["response"], 1 if self.on_cpu else threads, cuda)
+        self.on_cpu = not _on_cuda(cuda)
+        # On the CPU rows are spread over `threads` callers, each on one intra-op thread: a row on one
+        # thread is 10-25 % faster than on all of them, the same floats (docs/performance.md §19), and a
+        # request's lone context no slower (§30).
+        row_threads = 1 if self.on_cpu else threads
+        self.context = _session(onnx_dir / ONNX_FILES["context"], row_threads, cuda)
+        self.response = _session(onnx_dir / ONNX_FILES["response"], row_threads, cuda)
         cross_path = onnx_dir / ONNX_FILES["cross"]
         self.cross = self.cross_session(cross_path) if cross_tokenizer and cross_path.is_file() else None
         self.has_cross = self.cross is not None

@@ -458,13 +458,12 @@ def test_an_int8_row_comes_out_alike_alone_and_in_any_batch(tiny_bundle, toy_pai
 
 
 def test_rows_run_one_thread_each_and_the_threads_change_no_float(tiny_bundle, toy_pairs):
-    """On the CPU responses and pairs, which come many rows at a time, run each on one intra-op thread
-    (spread over the backend's threads); a context's operators use them all. Either way, how many
-    threads ran a row changes none of its floats."""
+    """On the CPU every row (a context, a response, a pair) runs on one intra-op thread, the rows spread
+    over the backend's threads; how many threads ran a row changes none of its floats."""
     bundle = load_bundle(tiny_bundle)
     one, two = (make_backend(bundle, "onnx", threads=n) for n in (1, 2))
     intra = lambda session: session.get_session_options().intra_op_num_threads  # noqa: E731
-    assert (intra(two.context), intra(two.response), intra(two.cross)) == (2, 1, 1)
+    assert (intra(two.context), intra(two.response), intra(two.cross)) == (1, 1, 1)
     contexts, pool = [p.context for p in toy_pairs[:6]], toy_pool()
     np.testing.assert_array_equal(one.encode_contexts(contexts), two.encode_contexts(contexts))
     np.testing.assert_array_equal(one.encode_responses(pool), two.encode_responses(pool))
