@@ -1,4 +1,7 @@
-"""Dependencies the routes declare: the runtime state, the live engine, and the API-key check."""
+"""Dependencies the routes declare: the runtime state, the live engine, and the API-key check.
+
+Each is a coroutine although nothing in it awaits: FastAPI runs a plain function dependency on its thread
+pool, a hand-over there and back for a dictionary lookup (docs/performance.md §31)."""
 
 from __future__ import annotations
 
@@ -14,13 +17,13 @@ from service.settings import Settings
 from service.state import ServiceState
 
 
-def get_state(request: Request) -> ServiceState:
+async def get_state(request: Request) -> ServiceState:
     return request.app.state.service
 
 
-def live_engine(request: Request) -> Engine:
+async def live_engine(request: Request) -> Engine:
     """The engine serving now; :class:`NotReady` while the bundle loads."""
-    state = get_state(request)
+    state: ServiceState = request.app.state.service
     if state.engine is None or not state.ready:
         raise NotReady("the bundle is loading")
     return state.engine

@@ -19,6 +19,8 @@ from coreply.ranking import Query, zscore
 from index_builder.build import build_bundle
 from service.app import create_app
 from service.batching import DeadlineExceeded, MicroBatcher, Overloaded
+from service.routes import build_router
+from service.schemas import respond_request_model
 from service.settings import Settings
 
 LIMITS = dict(
@@ -47,6 +49,22 @@ def test_ready_and_health(client):
     ready = client.get("/readyz").json()
     assert ready["status"] == "ready" and ready["reranker"] and ready["backend"] == "onnx"
     assert ready["threads"] == 1 and ready["responses"] == 13 and ready["withdrawn"] == 0
+
+
+def test_no_route_hands_a_dependency_to_a_worker_thread(tiny_bundle):
+    """FastAPI runs a plain-function dependency on its thread pool: a hand-over there and back on every
+    request (docs/performance.md §31). Every dependency of every route is a coroutine, with API keys on
+    and off."""
+    for keys in ("", "k1"):
+        settings = Settings(bundle=tiny_bundle, api_keys=keys)
+        router = build_router(settings, respond_request_model(settings))
+        pending = [route.dependant for route in router.routes]
+        assert len(pending) == 4  # /respond, /healthz, /readyz, /metrics
+        while pending:
+            dependant = pending.pop()
+            for dependency in dependant.dependencies:
+                assert asyncio.iscoroutinefunction(dependency.call), dependency.call
+                pending.append(dependency)
 
 
 def test_respond_ranks_by_fused_score(client):
