@@ -323,7 +323,9 @@ def _session(
     # FAISS. Measured on the 2-vCPU dev machine (bench/bench.py, n_r = 10): p50 190 ms instead of 260 ms
     # at concurrency 1, and 5.7 instead of 3.8 requests/s at concurrency 4.
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    providers = ["CUDAExecutionProvider"] * _on_cuda(cuda) + ["CPUExecutionProvider"]
+    providers = ["CPUExecutionProvider"]
+    if _on_cuda(cuda):
+        providers.insert(0, "CUDAExecutionProvider")
     return ort.InferenceSession(str(path), options, providers=providers, disabled_optimizers=list(unfused))
 
 
