@@ -2,18 +2,22 @@
 names no fusion skip the reranker where the first stage's best candidate leads its second by at least
 the gate (``coreply.gate.confident``); a bundle's gate is chosen on its calibration pairs as the
 smallest lead that changes at most a share (the *fidelity*) of their top answers against always
-reranking (``evaluation.protocols.choose_gate``).
+reranking (``evaluation.protocols.choose_gate``). Where it reranks, a bundle's reach lets the reranker
+read only the candidates within a first-stage margin of the best (``evaluation.protocols.choose_reach``:
+chosen to change at most a further share of those answers); each ``--reach-fidelity`` is chosen behind
+the bundle's own gate and scored the same way.
 
 The bundle's first stage as served (guard, prior, lexical stage) recalls 10 candidates per context of
 each span once and its reranker (as served: int8 ONNX unless ``--backend`` says otherwise) scores them
 all; a gate is then chosen on the ``--calibrate`` span at each ``--fidelity``, and on every
 ``--measure`` span each gate, the bundle's own, none (always rerank) and the first stage alone are
-scored: hits@1, the share of contexts the gate skips, the share of top answers that differ from always
-reranking, and one-sided paired bootstrap p-values that the gated answer beats the first stage's and
-that always reranking beats the gated answer; with several ``--measure`` spans, the same over all of
-them pooled (a gain too small to show on one span may show on all: docs/results.md §48). With several
-``--n-r``, all of it at each: the candidates are recalled and reranked once, at the largest, and a smaller
-n_r reorders only the first n_r of them, as serving it would (its gates chosen at that n_r).
+scored: hits@1, the share of contexts the gate skips, the candidates the reranker reads a context,
+the share of top answers that differ from always reranking, and one-sided paired bootstrap p-values
+that the gated answer beats the first stage's and that always reranking beats the gated answer; with
+several ``--measure`` spans, the same over all of them pooled (a gain too small to show on one span
+may show on all: docs/results.md §48). With several ``--n-r``, all of it at each: the candidates are
+recalled and reranked once, at the largest, and a smaller n_r reorders only the first n_r of them, as
+serving it would (its gates chosen at that n_r).
 
     python bench/rerank_gate.py --bundle artifacts/cand-r11-hard-gate --out docs/rerank-gate-r11-hard.json
 """
@@ -35,10 +39,10 @@ from bench import (  # bench/bench.py: this script's directory is on sys.path
 from coreply.artifacts import write_json_atomic
 from coreply.bundle import BACKENDS
 from coreply.corpus import load_chitchat
-from coreply.gate import confident
+from coreply.gate import confident, gated
 from coreply.text import normalize
 from evaluation.metrics import paired_bootstrap
-from evaluation.protocols import Retrieved, choose_gate, ranked_ids, retrieve_and_rerank
+from evaluation.protocols import Retrieved, choose_gate, choose_reach, ranked_ids, retrieve_and_rerank
 
 
 def span(flag: str, text: str) -> tuple[str, int, int]:
@@ -72,10 +76,13 @@ def top1(
     weight: float,
     fusion: str,
     gate: float | None,
+    reach: float | None = None,
 ) -> tuple[list[int | None], np.ndarray]:
-    """Each context's top answer under ``fusion`` of its first ``n_r`` (gated past ``gate``; a pool id, or
-    None) and whether it is the gold (``golds``: normalised; ``keys``: the pool's), [N] of 0/1."""
-    answers = [int(ids[0]) if len(ids) else None for ids in ranked_ids(got, fusion, n_r, weight, gate)]
+    """Each context's top answer under ``fusion`` of its first ``n_r`` (gated past ``gate``, within
+    ``reach``; a pool id, or None) and whether it is the gold (``golds``: normalised; ``keys``: the
+    pool's), [N] of 0/1."""
+    ranked = ranked_ids(got, fusion, n_r, weight, gate, reach)
+    answers = [int(ids[0]) if len(ids) else None for ids in ranked]
     hit = [a is not None and keys[a] == g for a, g in zip(answers, golds, strict=True)]
     return answers, np.array(hit, dtype=float)
 
@@ -93,6 +100,13 @@ def main() -> None:
         "was made on, the first 2,000 test pairs apart as the issue states its targets there)",
     )
     p.add_argument("--fidelity", type=float, nargs="+", default=[0.01, 0.02, 0.05, 0.1, 0.2])
+    p.add_argument(
+        "--reach-fidelity",
+        type=float,
+        nargs="+",
+        default=[0.01, 0.02, 0.05],
+        help="reaches chosen behind the bundle's own gate, each changing at most this share more answers",
+    )
     p.add_argument("--n-r", type=int, nargs="+", default=[10], help="candidates reranked, one or several")
     p.add_argument("--out", type=Path, default=None, help="JSON file to write")
     args = p.parse_args()
@@ -101,8 +115,9 @@ def main() -> None:
     for i, (split, start, limit) in enumerate(args.measure):
         if any(s == split and a < start + limit and start < a + n for s, a, n in args.measure[:i]):
             raise SystemExit(f"--measure: {split}:{start}:{limit} overlaps another span; give disjoint ones")
-    if bad := [f for f in args.fidelity if not 0 <= f < 1]:
-        raise SystemExit(f"--fidelity: each in [0, 1), got {bad}")
+    for flag, shares in (("--fidelity", args.fidelity), ("--reach-fidelity", args.reach_fidelity)):
+        if bad := [f for f in shares if not 0 <= f < 1]:
+            raise SystemExit(f"{flag}: each in [0, 1), got {bad}")
     if bad := [n for n in args.n_r if n < 1]:
         raise SystemExit(f"--n-r: each at least 1, got {bad}")
     if args.backend not in BACKENDS:
@@ -126,28 +141,42 @@ def main() -> None:
     measured = [f"{s}[{a}:{a + n}]" for s, a, n in args.measure]
 
     def at(n_r: int) -> dict:
-        """Gates chosen at ``n_r`` on the calibration span, each scored on every span and pooled."""
-        gates: dict[str, float | None] = {"always rerank": None, "the bundle's own": ranking.gate}
-        gates |= {
-            f"fidelity {f:g}": choose_gate(got[calibration], fusion, n_r, weight, f) for f in args.fidelity
+        """Gates and reaches chosen at ``n_r`` on the calibration span, each scored on every span and
+        pooled."""
+        own = ranking.gate
+        gates: dict[str, tuple[float | None, float | None]] = {  # label -> (gate, reach)
+            "always rerank": (None, None),
+            "the bundle's own": (own, None),
+            "the bundle's own, with its reach": (own, ranking.reach),
         }
+        gates |= {
+            f"fidelity {f:g}": (choose_gate(got[calibration], fusion, n_r, weight, f), None)
+            for f in args.fidelity
+        }
+        reaches = {
+            f: choose_reach(got[calibration], fusion, n_r, weight, own, f) for f in args.reach_fidelity
+        }
+        gates |= {f"the bundle's own, reach {f:g}": (own, reach) for f, reach in reaches.items()}
         out: dict = {"gates": gates, "spans": {}}
         hits: dict[str, dict[str, np.ndarray]] = {}  # span -> setting -> per-pair hits@1 [N]
         for name, retrieved in got.items():
-            answer = partial(top1, retrieved, golds[name], ranking.keys, n_r, weight)  # (fusion, gate)
+            answer = partial(top1, retrieved, golds[name], ranking.keys, n_r, weight)  # (fusion, gate, reach)
             (_, first), (answers, full) = answer("retrieval", None), answer(fusion, None)
             rows: dict = {"first stage": {"hits@1": round(100 * first.mean(), 2)}}
             hits[name] = {"first stage": first}
-            for label, gate in gates.items():
-                gated, hit = answer(fusion, gate)
+            for label, (gate, reach) in gates.items():
+                gated_answers, hit = answer(fusion, gate, reach)
                 hits[name][label] = hit
+                read = [min(gated(c, fusion, gate, reach)[1], n_r) for c in retrieved.candidates]
                 rows[label] = {
                     "gate": gate,
+                    "reach": reach,
                     "skipped_%": round(
                         100 * float(np.mean([confident(c, gate) for c in retrieved.candidates])), 2
                     ),
+                    "reranked_per_context": round(float(np.mean(read)), 2),
                     "changed_%": round(
-                        100 * float(np.mean([a != b for a, b in zip(gated, answers, strict=True)])), 2
+                        100 * float(np.mean([a != b for a, b in zip(gated_answers, answers, strict=True)])), 2
                     ),
                     **against_first(hit, first),
                     "p_always_better": round(paired_bootstrap(full, hit), 4),

@@ -45,7 +45,7 @@ from coreply.bundle import BACKENDS
 from coreply.checkpoint import load_bi
 from coreply.config import ZERO_SHOT
 from coreply.corpus import load_chitchat
-from coreply.gate import gated_fusion
+from coreply.gate import gated
 from coreply.ranking import FUSIONS, Query, order
 from coreply.text import normalize
 from evaluation.metrics import paired_bootstrap
@@ -60,20 +60,24 @@ PROMPTS = [
 
 
 def top_answers(
-    ranking: Any, pairs: list, allow: bool = False, fusion: str = "retrieval", gate: float | None = None
+    ranking: Any, pairs: list, allow: bool = False, fusion: str = "retrieval", as_served: bool = False
 ) -> tuple[list[list[str]], list[str | None]]:
     """Answer through ``ranking`` in batches of 64, 10 candidates each, reranked and fused by ``fusion``
-    unless it is ``retrieval`` or the first stage leads past ``gate`` (as ``Responder.respond`` does one
-    at a time): per pair the keys of its top 10 and its top text."""
+    unless it is ``retrieval`` (``as_served``: behind the bundle's rerank gate and reach, as
+    ``Responder.respond`` does one at a time): per pair the keys of its top 10 and its top text."""
     ids = []
+    gate, reach = (ranking.gate, ranking.reach) if as_served else (None, None)
     for s in range(0, len(pairs), 64):
         queries = [Query(tuple(p.context), allow_restatements=allow) for p in pairs[s : s + 64]]
         candidates = ranking.recall(queries, [10] * len(queries))
-        fusions = [gated_fusion(c, fusion, gate) for c in candidates]
-        todo = [i for i, f in enumerate(fusions) if f != "retrieval"]
+        plans = [gated(c, fusion, gate, reach) for c in candidates]  # (fusion, candidates reranked)
+        todo = [i for i, (f, _) in enumerate(plans) if f != "retrieval"]
         if todo:
-            ranking.rerank([queries[i] for i in todo], [candidates[i] for i in todo], 10)
-        ids += [c.ids[order(c, f, 10, ranking.weight)[0]] for c, f in zip(candidates, fusions, strict=True)]
+            ranking.rerank(
+                [queries[i] for i in todo], [candidates[i] for i in todo], [plans[i][1] for i in todo]
+            )
+        for c, (used, reranked) in zip(candidates, plans, strict=True):
+            ids.append(c.ids[order(c, used, 10, ranking.weight, reranked)[0]])
     ranked = [[ranking.keys[j] for j in i] for i in ids]
     return ranked, [ranking.texts[i[0]] if len(i) else None for i in ids]
 
@@ -204,15 +208,15 @@ def main() -> None:
         raise SystemExit(f"--fusion: {args.bundle} has no reranker; leave --fusion out")
     reranked = (args.fusion or [bot.default_fusion]) if ranking.reranker else []
     # the first stage, then each fusion of the reranked candidates; as served, also behind the gate
-    runs: list[tuple[str, float | None]] = [("retrieval", None), *[(f, None) for f in reranked]]
+    runs: list[tuple[str, bool]] = [("retrieval", False), *[(f, False) for f in reranked]]
     if ranking.reranker and not args.fusion and ranking.gate is not None:
-        runs.append((bot.default_fusion, ranking.gate))
-    for (fusion, gate), allow in [(r, a) for r in runs for a in (True, False)]:
+        runs.append((bot.default_fusion, True))
+    for (fusion, as_served), allow in [(r, a) for r in runs for a in (True, False)]:
         start = time.perf_counter()
-        ranked, top = top_answers(ranking, pairs, allow, fusion, gate)
+        ranked, top = top_answers(ranking, pairs, allow, fusion, as_served)
         ms = 1000 * (time.perf_counter() - start) / len(pairs)
-        name = setting(allow, fusion, gate is not None)
-        named = None if gate is not None else fusion  # a request that names no fusion is gated
+        name = setting(allow, fusion, as_served)
+        named = None if as_served else fusion  # a request that names no fusion is gated
         top1[name] = np.array([r[:1] == [g] for r, g in zip(ranked, gold, strict=True)], dtype=float)
         result["settings"][name] = {
             "hits@1": round(100 * float(top1[name].mean()), 2),

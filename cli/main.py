@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from coreply.config import ZERO_SHOT, ModelConfig
-from coreply.gate import GATE_FIDELITY
+from coreply.gate import GATE_FIDELITY, REACH_FIDELITY
 from coreply.lexical import DEPTH as LEXICAL_DEPTH
 from coreply.lexical import PAIRS as LEXICAL_PAIRS
 from coreply.restatement import DEFAULT_QUANTILE, check_quantile
@@ -100,7 +100,8 @@ def in_unit_interval(text: str, words: dict[str, Any], wanted: str) -> Any:
 
 
 def gate_fidelity(text: str) -> float | None:
-    """An argparse type: 'off', or the share of calibration answers the rerank gate may change, in [0, 1)."""
+    """An argparse type: 'off', or the share of calibration answers the rerank gate (or reach) may change,
+    in [0, 1)."""
     return in_unit_interval(text, {"off": None}, "'off' or a share in [0, 1)")
 
 
@@ -773,6 +774,14 @@ def _index_parser(sub) -> None:
         "stage leads by at least the smallest margin that changes at most this share of the calibration "
         "pairs' top answers against always reranking; 'off': always rerank",
     )
+    b.add_argument(
+        "--rerank-reach",
+        type=gate_fidelity,
+        default=REACH_FIDELITY,
+        help="with --cross and --queries: where such a request reranks, the reranker reads only the "
+        "candidates before the first that trails the first stage's best by the smallest margin that "
+        "changes at most this share more of those answers; 'off': every candidate",
+    )
     b.add_argument("--factory", default="Flat", help="FAISS factory string, e.g. Flat, IVF1024,Flat, HNSW32")
     b.add_argument("--search-params", default="", help="e.g. nprobe=16 or efSearch=128")
     b.add_argument(
@@ -919,6 +928,7 @@ def _cmd_index(args: argparse.Namespace) -> int:
         lexical_weight=None if args.lexical in ("auto", None) else args.lexical,
         lexical_depth=args.lexical_depth,
         gate_fidelity=args.rerank_gate,
+        reach_fidelity=args.rerank_reach,
     )
     if args.lexical == "auto" and pairs and "lexical" not in manifest:
         print("note: BM25 did not raise hits@1 on --queries at any weight: the bundle has no lexical stage")

@@ -644,13 +644,15 @@ def default_fusion(manifest: dict[str, Any]) -> str:
 
 def pipeline(bundle: Bundle, backend: Any, index: Any = None) -> Pipeline:
     """The bundle's ranking pipeline on ``backend`` (over ``index``, default the bundle's own), with the
-    z-score weight, rerank gate and restatement guard it was calibrated with, and the rerank stage of
-    :func:`rerank_stage`. Bundles built before the gate have none (every default request reranks)."""
+    z-score weight, rerank gate and reach and restatement guard it was calibrated with, and the rerank
+    stage of :func:`rerank_stage`. Bundles built before the gate have none (every default request
+    reranks), and before the reach none (a default request that reranks reads every candidate)."""
     from coreply.ranking import ZSCORE_WEIGHT, Pipeline
 
     fusion = bundle.manifest.get("fusion", {})
     weight = float(fusion.get("zscore_weight", ZSCORE_WEIGHT))
     gate = fusion.get("gate", {}).get("margin")
+    reach = fusion.get("reach", {}).get("margin")
     guard = bundle.manifest.get("restatement")
     index = bundle.index if index is None else index
     if guard or (backend.poly_codes and not backend.has_cross):
@@ -673,4 +675,5 @@ def pipeline(bundle: Bundle, backend: Any, index: Any = None) -> Pipeline:
         lexical=bundle.lexical,
         gate=None if gate is None else float(gate),
         withdrawn=bundle.withdrawn,
+        reach=None if reach is None else float(reach),
     )

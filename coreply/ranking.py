@@ -127,21 +127,24 @@ def fuse(mode: str, retrieval: np.ndarray, rerank: np.ndarray, weight: float = Z
 
 
 def order(
-    candidates: Candidates, fusion: str, n_r: int, weight: float = ZSCORE_WEIGHT
+    candidates: Candidates, fusion: str, n_r: int, weight: float = ZSCORE_WEIGHT, reranked: int | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """(positions best first, their final scores) among the first ``n_r`` candidates under ``fusion``;
     ties keep first-stage order. Fusion ``retrieval`` is the first stage's order (dense, or dense with
-    lexical); any other needs rerank scores of those ``n_r``."""
+    lexical); any other needs rerank scores of those ``n_r``, or with ``reranked`` (a rerank reach,
+    :func:`coreply.gate.reach`) of the first ``reranked`` of them: those are fused and ordered, and the
+    rest follow in first-stage order, with their first-stage scores."""
     retrieval = candidates.first_stage[:n_r]
-    if fusion == "retrieval" or not len(retrieval):
-        final = retrieval
+    m = len(retrieval) if reranked is None else min(reranked, len(retrieval))
+    if fusion == "retrieval" or not m:
+        final, m = retrieval, len(retrieval)
     else:
         rerank = candidates.rerank
-        if rerank is None or len(rerank) < len(retrieval):
-            raise ValueError(f"fusion {fusion!r} over {len(retrieval)} candidates needs their rerank scores")
-        final = fuse(fusion, retrieval, rerank[: len(retrieval)], weight)
+        if rerank is None or len(rerank) < m:
+            raise ValueError(f"fusion {fusion!r} over {m} candidates needs their rerank scores")
+        final = fuse(fusion, retrieval[:m], rerank[:m], weight)
     positions = np.argsort(-final, kind="stable")
-    return positions, final[positions]
+    return np.r_[positions, m : len(retrieval)], np.r_[final[positions], retrieval[m:]]
 
 
 def score_lists(
@@ -163,12 +166,12 @@ def score_lists(
 
 
 class Pipeline:
-    """A retriever over a pool, optionally a rerank stage, and the z-score weight and rerank ``gate``
-    (:mod:`coreply.gate`) the pool was calibrated with. ``texts`` and ``keys`` (normalised texts) are the
-    pool, row i = id i. The rerank stage is the cross-encoder ``score_pairs`` when given, else with
-    ``poly`` the Poly-encoder retriever's own codes, else none. A cross-encoder that reads knowledge is
-    given each query's knowledge as ``select_knowledge`` narrows it (:meth:`ground`), or as the query
-    carries it. With a restatement ``guard``, recall drops candidates that restate the context
+    """A retriever over a pool, optionally a rerank stage, and the z-score weight, rerank ``gate`` and
+    ``reach`` (:mod:`coreply.gate`) the pool was calibrated with. ``texts`` and ``keys`` (normalised
+    texts) are the pool, row i = id i. The rerank stage is the cross-encoder ``score_pairs`` when given,
+    else with ``poly`` the Poly-encoder retriever's own codes, else none. A cross-encoder that reads
+    knowledge is given each query's knowledge as ``select_knowledge`` narrows it (:meth:`ground`), or
+    as the query carries it. With a restatement ``guard``, recall drops candidates that restate the context
     (:mod:`coreply.restatement`); with a ``lexical`` stage it then reorders them by the words they share
     with it (:mod:`coreply.lexical`). ``withdrawn`` ids are never answered: every search fetches that
     many more hits and keeps those a pool without them would return."""
@@ -187,9 +190,10 @@ class Pipeline:
         lexical: LexicalStage | None = None,
         gate: float | None = None,
         withdrawn: Collection[int] = frozenset(),
+        reach: float | None = None,
     ) -> None:
         self.retrieve, self.texts, self.keys, self.withdrawn = retrieve, texts, keys, withdrawn
-        self.score_pairs, self.weight, self.gate = score_pairs, weight, gate
+        self.score_pairs, self.weight, self.gate, self.reach = score_pairs, weight, gate, reach
         self.select_knowledge, self.reads_knowledge = select_knowledge, reads_knowledge
         self.guard, self.lexical = guard, lexical
         if poly and score_pairs is None and not hasattr(retrieve, "vectors"):
@@ -291,17 +295,20 @@ class Pipeline:
             keep[i] = [j for j, bad in zip(keep[i], restates, strict=True) if not bad]
         return keep
 
-    def rerank(self, queries: Sequence[Query], candidates: Sequence[Candidates], n_r: int) -> None:
-        """Score the first ``n_r`` candidates of every query with the rerank stage (one call for all
-        cross-encoder pairs)."""
+    def rerank(
+        self, queries: Sequence[Query], candidates: Sequence[Candidates], n_r: int | Sequence[int]
+    ) -> None:
+        """Score the first ``n_r`` candidates of every query (or ``n_r[i]`` of query i) with the rerank
+        stage (one call for all cross-encoder pairs)."""
+        n = [n_r] * len(candidates) if isinstance(n_r, int) else n_r
         if self.reranker == "poly":
             vectors = self.retrieve.vectors  # type: ignore[attr-defined]
-            for c in candidates:
-                c.rerank = poly_rescore(c.codes, vectors(c.ids[:n_r]))
+            for c, m in zip(candidates, n, strict=True):
+                c.rerank = poly_rescore(c.codes, vectors(c.ids[:m]))
             return
         if self.score_pairs is None:
             raise ValueError("this pipeline has no rerank stage")
-        lists = [[self.texts[i] for i in c.ids[:n_r]] for c in candidates]
+        lists = [[self.texts[i] for i in c.ids[:m]] for c, m in zip(candidates, n, strict=True)]
         contexts = [q.context for q in queries]
         knowledge = [q.knowledge for q in queries] if any(q.knowledge for q in queries) else None
         scored = score_lists(self.score_pairs, contexts, lists, knowledge)

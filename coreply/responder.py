@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from coreply import gate
 from coreply.bundle import Bundle, default_fusion, load_bundle, make_backend, pipeline, search_on
-from coreply.gate import gated_fusion
 from coreply.ranking import FUSIONS, Candidates, Query, order
 
 
@@ -64,8 +64,9 @@ class Responder:
         a copy of a context turn nor an excluded response, nor (with the bundle's restatement guard,
         unless ``allow_restatements``) a restatement of a context turn; reranked and fused unless
         ``fusion`` is ``retrieval``. Default: the bundle's calibrated fusion, or retrieval without a
-        rerank stage, and in the first stage's order where it leads past the bundle's rerank gate
-        (:func:`~coreply.gate.gated_fusion`); a named fusion always reranks. ``knowledge`` (a persona,
+        rerank stage, in the first stage's order where it leads past the bundle's rerank gate, else
+        reranking only the candidates within the bundle's reach (:func:`~coreply.gate.gated`); a named
+        fusion always reranks all of them. ``knowledge`` (a persona,
         facts) grounds a reranker that reads it; default: the bundle's own."""
         gated = fusion is None
         fusion = fusion or self.default_fusion
@@ -82,11 +83,12 @@ class Responder:
             tuple(context), tuple(exclude_texts), frozenset(exclude_ids), tuple(knowledge), allow_restatements
         )
         (candidates,) = self.pipeline.recall([query], [n_candidates])
+        reranked = n_candidates
         if gated:
-            fusion = gated_fusion(candidates, fusion, self.pipeline.gate)
+            fusion, reranked = gate.gated(candidates, fusion, self.pipeline.gate, self.pipeline.reach, top_k)
         if fusion != "retrieval" and len(candidates.ids):
-            self.pipeline.rerank(self.pipeline.ground([query]), [candidates], n_candidates)
-        positions, final = order(candidates, fusion, n_candidates, self.pipeline.weight)
+            self.pipeline.rerank(self.pipeline.ground([query]), [candidates], reranked)
+        positions, final = order(candidates, fusion, n_candidates, self.pipeline.weight, reranked)
         return replies(self.bundle, candidates, positions[:top_k], final)
 
 

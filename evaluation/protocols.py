@@ -21,7 +21,7 @@ import numpy as np
 
 from coreply.bundle import TorchExactIndex
 from coreply.corpus import NegativeSampler, Pair, build_pool
-from coreply.gate import GATE_FIDELITY, gated_fusion, lead
+from coreply.gate import GATE_FIDELITY, REACH_FIDELITY, confident, gated, lead
 from coreply.models import BiEncoder, CrossEncoder, PolyEncoder, poly_scores
 from coreply.prior import Prior
 from coreply.ranking import ZSCORE_WEIGHT, Candidates, Hits, Pipeline, Query, order, score_lists
@@ -198,11 +198,21 @@ def rerank(pairs: Sequence[Pair], got: Retrieved, ranking: Pipeline, n_r: int) -
 
 
 def ranked_ids(
-    got: Retrieved, fusion: str, n_r: int, weight: float = ZSCORE_WEIGHT, gate: float | None = None
+    got: Retrieved,
+    fusion: str,
+    n_r: int,
+    weight: float = ZSCORE_WEIGHT,
+    gate: float | None = None,
+    reach: float | None = None,
 ) -> list[np.ndarray]:
     """Per query, pool ids best first under a fusion of the top ``n_r``; in the first stage's order
-    where it is confident past ``gate`` (:func:`~coreply.gate.gated_fusion`, as a gated bundle serves it)."""
-    return [c.ids[order(c, gated_fusion(c, fusion, gate), n_r, weight)[0]] for c in got.candidates]
+    where it is confident past ``gate``, else with only the candidates within ``reach`` fused
+    (:func:`~coreply.gate.gated`, as a gated bundle serves a request for one answer)."""
+    out = []
+    for c in got.candidates:
+        used, reranked = gated(c, fusion, gate, reach)
+        out.append(c.ids[order(c, used, n_r, weight, reranked)[0]])
+    return out
 
 
 def ranks_for(
@@ -213,10 +223,11 @@ def ranks_for(
     n_r: int,
     weight: float = ZSCORE_WEIGHT,
     gate: float | None = None,
+    reach: float | None = None,
 ) -> list[float]:
     """Rank of the gold under a fusion of the top ``n_r`` (gated as :func:`ranked_ids`)."""
     ranks = []
-    for pair, ids in zip(pairs, ranked_ids(got, fusion, n_r, weight, gate), strict=True):
+    for pair, ids in zip(pairs, ranked_ids(got, fusion, n_r, weight, gate, reach), strict=True):
         gold = normalize(pair.response)
         hits = [r for r, j in enumerate(ids) if pool_keys[j] == gold]
         ranks.append(float(hits[0] + 1) if hits else float("inf"))
@@ -307,3 +318,32 @@ def choose_gate(
     last = np.r_[leads[1:] != leads[:-1], True]  # the last of each run of equal leads
     fits = np.flatnonzero(last & np.isfinite(leads) & (changed <= fidelity * len(leads)))  # a prefix
     return float(leads[fits[-1]]) if len(fits) else None
+
+
+def choose_reach(
+    got: Retrieved,
+    fusion: str,
+    n_r: int,
+    weight: float,
+    gate: float | None,
+    fidelity: float = REACH_FIDELITY,
+) -> float | None:
+    """The rerank reach: the smallest first-stage margin such that reranking, in every context ``gate``
+    leaves to the reranker, only the candidates before the first that trails the best by that much
+    (:func:`~coreply.gate.reach`) changes the top answer of at most ``fidelity`` of ``got``'s contexts
+    against reranking all ``n_r`` (None: no contexts). A context's answer changes exactly when the
+    candidate that wins the fusion of all ``n_r`` lies outside the reach, that is when the margin is at
+    most the largest first-stage deficit up to and including the winner; so the margin is just above
+    the deficit of the context ranked ``fidelity`` x N + 1 by it. Like the gate it reads no labels.
+    ``got`` holds rerank scores of every context's first ``n_r``."""
+    if not 0 <= fidelity < 1:
+        raise ValueError(f"the reach's fidelity must be in [0, 1), got {fidelity}")
+    deficits = [0.0] * len(got.candidates)  # [N] what a context's fused winner needs
+    for i, c in enumerate(got.candidates):
+        if len(c.ids) and not confident(c, gate):
+            winner = order(c, fusion, n_r, weight)[0][0]
+            deficits[i] = float(np.max(c.first_stage[0] - c.first_stage[: winner + 1]))
+    if not deficits:
+        return None
+    needed = np.sort(deficits)[::-1][int(fidelity * len(deficits))]  # may be left out of the reach
+    return float(np.nextafter(needed, np.inf))

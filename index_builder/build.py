@@ -43,14 +43,20 @@ from coreply.checkpoint import load_bi, load_checkpoint, load_dialogue_tokenizer
 from coreply.config import ZERO_SHOT
 from coreply.corpus import Pair, distinct
 from coreply.device import resolve_device
-from coreply.gate import GATE_FIDELITY, confident
+from coreply.gate import GATE_FIDELITY, REACH_FIDELITY, confident, gated
 from coreply.inference import INT8, Backend, export_onnx
 from coreply.knowledge import trained_top_m
 from coreply.ranking import Pipeline
 from coreply.text import normalize
 from coreply.tokenization import flat_pieces
 from evaluation.metrics import paired_bootstrap, summarize
-from evaluation.protocols import choose_gate, choose_zscore_weight, ranks_for, retrieve_and_rerank
+from evaluation.protocols import (
+    choose_gate,
+    choose_reach,
+    choose_zscore_weight,
+    ranks_for,
+    retrieve_and_rerank,
+)
 from index_builder.faiss_index import EXACT, check_index_spec, make_index, recall_vs_exact
 from index_builder.withdraw import carry_over
 
@@ -105,6 +111,7 @@ def calibrate_fusion(
     n_r: int = 10,
     default: str | None = None,
     fidelity: float | None = GATE_FIDELITY,
+    reach_fidelity: float | None = REACH_FIDELITY,
 ) -> dict[str, Any]:
     """Choose the fusion a request gets by default on held-out pairs whose gold responses are in the pool,
     through the serving pipeline at ``n_r`` candidates: the z-score weight with the best hits@1 (the
@@ -115,7 +122,9 @@ def calibrate_fusion(
     a sum) and only the weight is chosen. Then the rerank gate under that fusion
     (:func:`~evaluation.protocols.choose_gate`): where the first stage leads by more, a default request
     is answered without the reranker, which changes at most ``fidelity`` of these pairs' answers (None:
-    no gate)."""
+    no gate); then the rerank reach (:func:`~evaluation.protocols.choose_reach`): where the reranker
+    runs, it reads only the candidates within it of the first stage's best, which changes at most
+    ``reach_fidelity`` more of them (None: it reads all)."""
     got = retrieve_and_rerank(pairs, ranking, n_r, n_r)
     weight, ranks = choose_zscore_weight(pairs, ranking.keys, got, n_r)
     ranks = {"zscore": ranks[weight], "sum": ranks_for(pairs, ranking.keys, got, "sum", n_r)}
@@ -124,7 +133,10 @@ def calibrate_fusion(
     fusion = default or ("zscore" if p < SIGNIFICANT else "sum")
     gate = None if fidelity is None else choose_gate(got, fusion, n_r, weight, fidelity)
     skipped = np.mean([confident(c, gate) for c in got.candidates]) if got.candidates else 0.0
-    gated = ranks_for(pairs, ranking.keys, got, fusion, n_r, weight, gate)
+    gated_ranks = ranks_for(pairs, ranking.keys, got, fusion, n_r, weight, gate)
+    reach = None if reach_fidelity is None else choose_reach(got, fusion, n_r, weight, gate, reach_fidelity)
+    read = [min(gated(c, fusion, gate, reach)[1], n_r) for c in got.candidates]  # [N] candidates reranked
+    reached_ranks = ranks_for(pairs, ranking.keys, got, fusion, n_r, weight, gate, reach)
     return {
         "default": fusion,
         "zscore_weight": weight,
@@ -134,7 +146,13 @@ def calibrate_fusion(
             "margin": gate,
             "fidelity": fidelity,
             "skipped_%": round(100 * float(skipped), 2),
-            "hits@1": round(summarize(gated)["hits@1"], 2),
+            "hits@1": round(summarize(gated_ranks)["hits@1"], 2),
+        },
+        "reach": {
+            "margin": reach,
+            "fidelity": reach_fidelity,
+            "reranked_per_context": round(float(np.mean(read)) if read else 0.0, 2),
+            "hits@1": round(summarize(reached_ranks)["hits@1"], 2),
         },
         "calibrated_on": f"{len(pairs)} held-out pairs, hits@1 at n_r={n_r}",
     }
@@ -199,6 +217,7 @@ def build_bundle(
     lexical_weight: float | None = None,
     lexical_depth: int = lexical.DEPTH,
     gate_fidelity: float | None = GATE_FIDELITY,
+    reach_fidelity: float | None = REACH_FIDELITY,
 ) -> dict[str, Any]:
     """Encode ``texts`` (normalised duplicates dropped, first spelling kept, ids in order) and write a
     bundle to ``out`` atomically. ``queries`` (contexts) measure the index's recall against exact search;
@@ -212,8 +231,9 @@ def build_bundle(
     ``guard_pairs`` choose its weight (none of either: no prior). A lexical stage (BM25 reordering the
     first ``lexical_depth`` candidates, :mod:`coreply.lexical`) is served at ``lexical_weight``, or with
     ``lexical_pairs`` at the weight they choose (neither, or a chosen weight of 1: no lexical stage).
-    ``calibration`` pairs also choose a cross-encoder's rerank gate at ``gate_fidelity`` (None: no gate;
-    the poly stage, which costs well under a millisecond, is never gated)."""
+    ``calibration`` pairs also choose a cross-encoder's rerank gate at ``gate_fidelity`` and its rerank
+    reach at ``reach_fidelity`` (None: no gate, no reach; the poly stage, which costs well under a
+    millisecond, is never gated)."""
     if onnx not in ONNX_CHOICES:
         raise ValueError(f"--onnx must be one of {ONNX_CHOICES}, got {onnx!r}")
     if top_m is not None and top_m < 1:
@@ -226,6 +246,8 @@ def build_bundle(
         raise ValueError(f"--lexical-depth: give at least 2 candidates to reorder, got {lexical_depth}")
     if gate_fidelity is not None and not 0 <= gate_fidelity < 1:
         raise ValueError(f"--rerank-gate: give a share in [0, 1) or 'off', got {gate_fidelity}")
+    if reach_fidelity is not None and not 0 <= reach_fidelity < 1:
+        raise ValueError(f"--rerank-reach: give a share in [0, 1) or 'off', got {reach_fidelity}")
     knowledge = [k for k in (t.strip() for t in knowledge) if k]
     started = time.perf_counter()
     torch_device = resolve_device(device)
@@ -315,8 +337,14 @@ def build_bundle(
                 manifest["lexical"] = entry
         if ranking.reranker is not None and calibration:
             fixed = manifest.get("fusion", {}).get("default")  # a residual's sum
-            fidelity = gate_fidelity if ranking.reranker == "cross" else None  # the poly stage costs 0.4 ms
-            manifest["fusion"] = calibrate_fusion(ranking, calibration, default=fixed, fidelity=fidelity)
+            cross = ranking.reranker == "cross"  # the poly stage costs 0.4 ms: never gated
+            manifest["fusion"] = calibrate_fusion(
+                ranking,
+                calibration,
+                default=fixed,
+                fidelity=gate_fidelity if cross else None,
+                reach_fidelity=reach_fidelity if cross else None,
+            )
         import faiss
 
         faiss.write_index(index, str(tmp / INDEX))

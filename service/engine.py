@@ -13,9 +13,9 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from coreply import gate
 from coreply.bundle import Bundle, default_fusion, make_backend, pipeline
 from coreply.device import resolve_device, set_threads
-from coreply.gate import gated_fusion
 from coreply.inference import Backend
 from coreply.ranking import Candidates, Query, order
 from coreply.responder import replies
@@ -33,7 +33,8 @@ class Job:
     fusion: str
     deadline: float | None = None  # time.perf_counter() value; queued work past it is dropped
     min_retrieval_score: float | None = None  # responses below it are dropped; none left: the fallback
-    gated: bool = False  # the bundle's rerank gate applies (no fusion named): a confident first stage answers
+    gated: bool = False  # the bundle's rerank gate and reach apply (no fusion named): a confident first
+    # stage answers, else the reranker reads the candidates within the reach
 
 
 class Engine:
@@ -89,13 +90,14 @@ class Engine:
         timings["filter"] = max(time.perf_counter() - start - sum(timings.values()), 0.0)
         return got, timings
 
-    def _rerank_batch(self, items: Sequence[tuple[Query, Candidates]]):
-        """[(query, candidates)] -> the candidates with rerank scores, all of them scored in one call."""
+    def _rerank_batch(self, items: Sequence[tuple[Query, Candidates, int]]):
+        """[(query, candidates, n)] -> the candidates with rerank scores of their first n, all scored in
+        one call."""
         start = time.perf_counter()
-        candidates = [c for _, c in items]
-        queries = self.pipeline.ground([q for q, _ in items])
+        candidates = [c for _, c, _ in items]
+        queries = self.pipeline.ground([q for q, _, _ in items])
         grounded = time.perf_counter()
-        self.pipeline.rerank(queries, candidates, max(len(c.ids) for c in candidates))
+        self.pipeline.rerank(queries, candidates, [n for _, _, n in items])
         return candidates, {"knowledge": grounded - start, "rerank": time.perf_counter() - grounded}
 
     # ------------------------------------------------------------------------------------ request path
@@ -134,16 +136,19 @@ class Engine:
         done = await self.retriever.submit((job.query, n_candidates), deadline=job.deadline)
         self._account(done, timings, "retrieve")
         candidates: Candidates = done.result
-        gated = job.gated and fusion != gated_fusion(candidates, fusion, self.pipeline.gate)
-        if gated:
-            fusion = "retrieval"
-        if fusion != "retrieval" and len(candidates.ids):
+        reranked, gated = len(candidates.ids), False  # a named fusion reranks every candidate
+        if job.gated and fusion != "retrieval":
+            fusion, reranked = gate.gated(
+                candidates, fusion, self.pipeline.gate, self.pipeline.reach, job.top_k
+            )
+            gated = fusion == "retrieval"
+        if fusion != "retrieval" and reranked:
             done = await self.reranker.submit(
-                (job.query, candidates), size=len(candidates.ids), deadline=job.deadline
+                (job.query, candidates, reranked), size=reranked, deadline=job.deadline
             )
             self._account(done, timings, "rerank")
         self.metrics.reranked.observe(0 if candidates.rerank is None else len(candidates.rerank))
-        positions, final = order(candidates, fusion, n_candidates, self.pipeline.weight)
+        positions, final = order(candidates, fusion, n_candidates, self.pipeline.weight, reranked)
         responses = [
             asdict(r) | {"metadata": r.metadata or None}
             for r in replies(self.bundle, candidates, positions[: job.top_k], final)
@@ -170,6 +175,7 @@ class Engine:
             "responses": responses,
             "fusion": fusion,
             "rerank_gated": gated,
+            "reranked": 0 if candidates.rerank is None else len(candidates.rerank),
             "n_candidates": len(candidates.ids),
             "bundle_version": self.bundle.version,
             "timings_ms": {name: round(1000 * s, 3) for name, s in timings.items()},

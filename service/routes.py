@@ -79,6 +79,7 @@ def build_router(settings: Settings, request_model: type) -> APIRouter:
             "backend": engine.backend.name,
             "reranker": engine.pipeline.reranker,
             "rerank_gate": engine.pipeline.gate if engine.settings.rerank_gate else None,
+            "rerank_reach": engine.pipeline.reach if engine.settings.rerank_gate else None,
             "restatement_guard": engine.bundle.manifest.get("restatement"),
             "response_prior": engine.bundle.manifest.get("prior"),
             "lexical": engine.bundle.manifest.get("lexical"),

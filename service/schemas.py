@@ -84,7 +84,8 @@ def respond_request_model(settings: Settings) -> type[RespondBase]:
                 description="final score: retrieval only (the first stage: dense, fused with BM25 where the "
                 "bundle has a lexical stage), rerank only, their sum, or z-score fusion with the bundle's "
                 "calibrated weight; default: with a reranker the one the bundle was calibrated with (sum or "
-                "zscore) where the first stage does not lead past the bundle's rerank gate, else retrieval",
+                "zscore) of the candidates within the bundle's rerank reach where the first stage does not "
+                "lead past its rerank gate, else retrieval",
             ),
         ),
         min_retrieval_score=(
@@ -156,6 +157,12 @@ class RespondResponse(BaseModel):
         False,
         description="the first stage led by more than the bundle's rerank gate (GET /readyz), so this "
         "request, which named no fusion, was answered without the reranker (COREPLY_RERANK_GATE)",
+    )
+    reranked: int = Field(
+        0,
+        description="candidates the reranker read: every one for a named fusion; for a request that named "
+        "none, those before the first that trails the first stage's best by the bundle's rerank reach "
+        "(GET /readyz), at least top_k; 0 where it did not run",
     )
     n_candidates: int
     bundle_version: str

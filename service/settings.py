@@ -65,7 +65,8 @@ class Settings(BaseSettings):
     rerank_gate: bool = Field(
         True,
         description="a request that names no fusion skips the reranker where the first stage leads past the "
-        "bundle's calibrated rerank gate (GET /readyz); false: every such request reranks",
+        "bundle's calibrated rerank gate, and elsewhere reranks only the candidates within its calibrated "
+        "rerank reach of the first (GET /readyz); false: every such request reranks every candidate",
     )
     # load-adaptive cascade (service/cascade.py): shrink n_r, then skip the reranker, while requests queue
     cascade: bool = Field(True, description="degrade under sustained queueing (reported per response)")

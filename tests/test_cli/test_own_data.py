@@ -68,6 +68,10 @@ def own_data(tmp_path, toy_pairs):
             ["index", "build", "-o", "R", "--rerank-gate", "1"],
             "--rerank-gate: must be 'off' or a share in [0, 1)",
         ),
+        (
+            ["index", "build", "-o", "R", "--rerank-reach", "-0.1"],
+            "--rerank-reach: must be 'off' or a share in [0, 1)",
+        ),
     ],
 )
 def test_nonsense_values_are_refused_in_one_line_naming_the_flag(capsys, tmp_path, monkeypatch, argv, says):
@@ -161,12 +165,13 @@ def test_own_data_end_to_end_pool_metadata_eval_and_info(capsys, caplog, tmp_pat
         capsys, "index", "build", "-o", str(bundle), "--bi", str(tiny_core / "bi"),
         "--cross", str(tiny_core / "cross"), "--pool", str(pool), "--queries", str(pairs),
         "--calibrate", "16", "--onnx", "none", "--prior-pairs", str(pairs), "--rerank-gate", "0.2",
+        "--rerank-reach", "0.1",
     )  # fmt: skip
     assert code == 0, err
     manifest = json.loads((bundle / "manifest.json").read_text())
     assert manifest["prior"]["reference_contexts"] == 48 and "prior.npy" in manifest["files"]
     assert manifest["fusion"]["calibrated_on"].startswith("16 held-out pairs")
-    assert manifest["fusion"]["gate"]["fidelity"] == 0.2
+    assert manifest["fusion"]["gate"]["fidelity"] == 0.2 and manifest["fusion"]["reach"]["fidelity"] == 0.1
     assert manifest["build"]["command"].startswith("coreply index build -o")
     assert "lexical" not in manifest and "BM25 did not raise hits@1" in out  # the toy retriever needs none
 

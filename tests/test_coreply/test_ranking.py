@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from coreply.gate import confident, lead
+from coreply.gate import confident, gated, lead, reach
 from coreply.ranking import Candidates, Hits, Pipeline, Query, fuse, order, score_lists
 from coreply.text import normalize
 
@@ -28,6 +28,30 @@ def test_the_first_stages_lead_and_the_gate():
     assert confident(hybrid, 1.5) and not confident(hybrid, 1.6) and not confident(hybrid, None)
     lone = Candidates(np.array([4]), np.array([1.0]))
     assert lead(lone) == float("inf") and confident(lone, 100.0)  # nothing a reranker could reorder
+
+
+def test_the_reach_is_the_candidates_before_the_first_the_first_stage_rules_out():
+    c = Candidates(np.arange(5), np.array([5.0, 4.5, 4.0, 2.0, 4.75]))  # 4.75 after 2.0: not read
+    assert reach(c, None) == 5  # no reach: every candidate
+    assert reach(c, 1.0) == 2  # 4.0 trails the first by 1.0: it and all after it are left out
+    assert reach(c, 1.01) == 3 and reach(c, 3.01) == 5
+    assert reach(c, 0.1) == 1 and reach(c, 0.1, floor=3) == 3 and reach(c, 100.0, floor=9) == 5
+    assert reach(Candidates(np.zeros(0, dtype=int), np.zeros(0)), 1.0) == 0
+    assert gated(c, "sum", gate=0.25, margin=1.0) == ("retrieval", 0)  # leads 4.75 by 0.25: skipped
+    assert gated(c, "sum", gate=0.3, margin=1.0) == ("sum", 2)
+    assert gated(c, "sum", gate=0.3, margin=1.0, top_k=3) == ("sum", 3)  # at least the answers asked for
+    assert gated(c, "zscore", gate=None, margin=None) == ("zscore", 5)
+    assert gated(c, "retrieval", gate=None, margin=None) == ("retrieval", 0)
+
+
+def test_order_fuses_the_reranked_prefix_and_keeps_the_rest_in_first_stage_order():
+    c = Candidates(np.array([7, 8, 9, 6]), np.array([3.0, 2.0, 1.0, 0.5]), np.array([0.0, 4.0]))
+    positions, final = order(c, "sum", 4, reranked=2)
+    assert positions.tolist() == [1, 0, 2, 3] and final.tolist() == [6.0, 3.0, 1.0, 0.5]
+    assert order(c, "sum", 1, reranked=2)[0].tolist() == [0]  # n_r still bounds the list
+    assert order(c, "retrieval", 4, reranked=0)[0].tolist() == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="rerank scores"):
+        order(c, "sum", 4, reranked=3)  # only two were scored
 
 
 def test_keep_drops_padding_echoes_and_exclusions_by_text_and_id():

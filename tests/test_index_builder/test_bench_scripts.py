@@ -119,6 +119,7 @@ def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):
         ("rerank_precision.py", ["--start", "100000"], "--start 100000: "),
         ("rerank_gate.py", ["--bundle", str(tmp_path)], "--bundle: "),
         ("rerank_gate.py", ["--bundle", str(tiny_bundle), "--fidelity", "1"], "--fidelity: "),
+        ("rerank_gate.py", ["--bundle", str(tiny_bundle), "--reach-fidelity", "-0.5"], "--reach-fidelity: "),
         ("rerank_gate.py", ["--bundle", str(tiny_bundle), "--measure", "test:0"], "--measure: "),
         ("rerank_gate.py", ["--bundle", str(tiny_bundle), "--measure", "test:0:8", "test:7:2"], "--measure"),
         ("rerank_gate.py", ["--bundle", str(tiny_bundle), "--calibrate", "train:0:5"], "--calibrate: "),

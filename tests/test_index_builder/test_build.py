@@ -116,6 +116,35 @@ def test_the_rerank_gate_skips_the_reranker_only_where_it_would_not_change_the_a
         choose_gate(got, "sum", 3, 0.0, fidelity=1.0)
 
 
+def test_the_rerank_reach_leaves_out_only_candidates_that_would_not_change_the_answer():
+    """List a: the sum's winner is third and trails the first stage's best by 7; list b: it is second
+    and trails by 1. A reach that may change no answer reads all three of a; one that may change one of
+    the two leaves a's third out (a's answer changes) and still reads b's winner. Behind a gate that
+    skips both lists there is nothing left to change. No labels are read: a's gold is last either way."""
+    from coreply.corpus import Pair
+    from evaluation.protocols import choose_reach, ranks_for, retrieve_and_rerank
+    from index_builder.build import calibrate_fusion
+
+    texts = ["a0", "a1", "gold a", "b0", "gold b", "b2"]
+    recalled = {"a": ([0, 1, 2], [9.0, 8.0, 2.0]), "b": ([3, 4, 5], [4.0, 3.0, 0.0])}
+    rerank = dict(zip(texts, [0.0, 0.0, 9.0, 0.0, 3.0, 0.0], strict=True))  # sums 9 8 11 | 4 6 0
+    ranking = _scripted_pipeline(texts, recalled, rerank)
+    pairs = [Pair(("a",), "gold a"), Pair(("b",), "gold b")]
+    got = retrieve_and_rerank(pairs, ranking, 3, 3)
+    assert choose_reach(got, "sum", 3, 0.0, None, fidelity=0.0) == np.nextafter(7.0, np.inf)
+    one = choose_reach(got, "sum", 3, 0.0, None, fidelity=0.5)
+    assert one == np.nextafter(1.0, np.inf)
+    assert ranks_for(pairs, ranking.keys, got, "sum", 3) == [1.0, 1.0]
+    assert ranks_for(pairs, ranking.keys, got, "sum", 3, reach=one) == [3.0, 1.0]  # a's gold not read
+    assert choose_reach(got, "sum", 3, 0.0, gate=1.0, fidelity=0.0) == np.nextafter(0.0, 1.0)
+    reach = calibrate_fusion(ranking, pairs, n_r=3, fidelity=None, reach_fidelity=0.5)["reach"]
+    assert reach == {"margin": one, "fidelity": 0.5, "reranked_per_context": 2.0, "hits@1": 50.0}
+    off = calibrate_fusion(ranking, pairs, n_r=3, reach_fidelity=None)["reach"]  # --rerank-reach off
+    assert off["margin"] is None and off["reranked_per_context"] == 3.0
+    with pytest.raises(ValueError, match="fidelity"):
+        choose_reach(got, "sum", 3, 0.0, None, fidelity=1.0)
+
+
 def test_duplicates_are_dropped_and_ids_stay_in_order(tmp_path, tiny_core):
     texts = ["Hello there", "hello   THERE", "second", "", "third"]
     build_bundle(tmp_path / "b", texts, bi=str(tiny_core / "bi"), onnx="none", progress=False)

@@ -16,6 +16,7 @@ from fastapi.testclient import TestClient
 from coreply.bundle import load_bundle
 from coreply.gate import lead
 from coreply.ranking import Query, zscore
+from coreply.responder import Responder
 from index_builder.build import build_bundle
 from service.app import create_app
 from service.batching import DeadlineExceeded, MicroBatcher, Overloaded
@@ -126,6 +127,11 @@ def test_service_and_evaluation_rank_identically(tiny_bundle):
             ids = ranked_ids(got, fusion or engine.default_fusion, 5, weight, None if fusion else gate)
             assert [[r["id"] for r in a["responses"]] for a in answers] == [i.tolist() for i in ids], fusion
         assert 0 < sum(a["rerank_gated"] for a in answers) < len(answers)
+        engine.pipeline.gate, engine.pipeline.reach = None, 2 * gate  # the reach alone: one answer each
+        answers = [post(c, context=x, n_candidates=5).json() for x in contexts]
+        ids = ranked_ids(got, engine.default_fusion, 5, weight, None, 2 * gate)
+        assert [[r["id"] for r in a["responses"]] for a in answers] == [i[:1].tolist() for i in ids]
+        assert 1 < np.mean([a["reranked"] for a in answers]) < 5
 
 
 def test_a_request_that_names_no_fusion_skips_the_reranker_where_the_first_stage_leads_past_the_gate(
@@ -151,6 +157,32 @@ def test_a_request_that_names_no_fusion_skips_the_reranker_where_the_first_stage
         got = post(c, context=context, n_candidates=5).json()
         assert not got["rerank_gated"] and got["fusion"] == fusion
         assert c.get("/readyz").json()["rerank_gate"] is None
+
+
+def test_a_request_that_names_no_fusion_reranks_only_the_candidates_within_the_reach(tiny_bundle):
+    context = ["what is your favorite food ?"]
+    with TestClient(create_app(Settings(bundle=tiny_bundle, threads=1, **LIMITS))) as c:
+        engine = c.app.state.engine
+        fusion = engine.default_fusion
+        (candidates,) = engine.pipeline.recall([Query(tuple(context))], [5])
+        behind = candidates.first_stage[0] - candidates.first_stage  # [5] how far each trails the first
+        assert behind[3] - behind[2] > 1e-3  # served scores may differ from these in the last bits
+        engine.pipeline.gate, engine.pipeline.reach = None, (behind[2] + behind[3]) / 2  # reads three
+        got = post(c, context=context, n_candidates=5).json()
+        assert got["reranked"] == 3 and not got["rerank_gated"] and got["fusion"] == fusion
+        named = post(c, context=context, top_k=5, n_candidates=5, fusion=fusion).json()  # reads all
+        assert named["reranked"] == 5
+        score = {r["id"]: r["score"] for r in named["responses"]}
+        assert got["responses"][0]["id"] == max(candidates.ids[:3].tolist(), key=score.__getitem__)
+        assert post(c, context=context, top_k=4, n_candidates=5).json()["reranked"] == 4  # >= top_k
+        assert c.get("/readyz").json()["rerank_reach"] == engine.pipeline.reach
+        bot = Responder.load(tiny_bundle)  # the library answers alike
+        bot.pipeline.gate, bot.pipeline.reach = None, engine.pipeline.reach
+        assert bot.respond(context, n_candidates=5)[0].id == got["responses"][0]["id"]
+    with TestClient(create_app(Settings(bundle=tiny_bundle, threads=1, rerank_gate=False, **LIMITS))) as c:
+        c.app.state.engine.pipeline.reach = 1e-9  # it would read one, and it is off
+        assert post(c, context=context, n_candidates=5).json()["reranked"] == 5
+        assert c.get("/readyz").json()["rerank_reach"] is None
 
 
 def test_the_service_guards_against_restatements_like_the_library_unless_a_request_allows_them(
