@@ -21,8 +21,10 @@ best weight is significantly better there), behind the rerank gate chosen on the
 (:mod:`coreply.gate`). It lifts hits@1 from 5.76 to 6.06 % over the 11,445 held-out pairs no choice was
 made on (p = 0.006, docs/results.md §48–§49), at about twice a lone request's CPU latency. Since
 recipe 13 its int8 graph is smoothed first (:mod:`coreply.smoothing`, as every int8 export of a reranker
-now is), which keeps it closer to the reranker as trained (docs/results.md §53). Shipping other weights
-under either name, or changing the recipe, rebuilds an existing default bundle.
+now is), which keeps it closer to the reranker as trained (docs/results.md §53). Since recipe 14, where
+the gate lets the reranker run it reads only the candidates within the bundle's rerank reach of the first
+stage's best, chosen on the same pairs (:mod:`coreply.gate`; docs/results.md §55). Shipping other
+weights under either name, or changing the recipe, rebuilds an existing default bundle.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import coreply
 from coreply import lexical
 
 RECALL_QUERIES = 500
-RECIPE = "default bundle, recipe 13 (recipe 12, the reranker's int8 graph smoothed)"
+RECIPE = "default bundle, recipe 14 (recipe 13 with a rerank reach)"
 """Recorded as the bundle's build command; a default bundle built by another recipe is rebuilt."""
 DEFAULT_BI = Path(coreply.__file__).parent / "weights" / "default-bi"
 DEFAULT_CROSS = Path(coreply.__file__).parent / "weights" / "default-cross"
