@@ -66,8 +66,8 @@ class Responder:
         ``fusion`` is ``retrieval``. Default: the bundle's calibrated fusion, or retrieval without a
         rerank stage, in the first stage's order where it leads past the bundle's rerank gate, else
         reranking only the candidates within the bundle's reach (:func:`~coreply.gate.gated`); a named
-        fusion always reranks all of them. ``knowledge`` (a persona,
-        facts) grounds a reranker that reads it; default: the bundle's own."""
+        fusion always reranks all of them. ``knowledge`` (a persona, facts) grounds a reranker that reads
+        it; default: the bundle's own."""
         gated = fusion is None
         fusion = fusion or self.default_fusion
         if fusion not in FUSIONS:

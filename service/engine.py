@@ -147,7 +147,8 @@ class Engine:
                 (job.query, candidates, reranked), size=reranked, deadline=job.deadline
             )
             self._account(done, timings, "rerank")
-        self.metrics.reranked.observe(0 if candidates.rerank is None else len(candidates.rerank))
+        read = 0 if candidates.rerank is None else len(candidates.rerank)
+        self.metrics.reranked.observe(read)
         positions, final = order(candidates, fusion, n_candidates, self.pipeline.weight, reranked)
         responses = [
             asdict(r) | {"metadata": r.metadata or None}
@@ -175,7 +176,7 @@ class Engine:
             "responses": responses,
             "fusion": fusion,
             "rerank_gated": gated,
-            "reranked": 0 if candidates.rerank is None else len(candidates.rerank),
+            "reranked": read,
             "n_candidates": len(candidates.ids),
             "bundle_version": self.bundle.version,
             "timings_ms": {name: round(1000 * s, 3) for name, s in timings.items()},
