@@ -39,10 +39,17 @@ from bench import (  # bench/bench.py: this script's directory is on sys.path
 from coreply.artifacts import write_json_atomic
 from coreply.bundle import BACKENDS
 from coreply.corpus import load_chitchat
-from coreply.gate import confident, gated
+from coreply.gate import confident
 from coreply.text import normalize
 from evaluation.metrics import paired_bootstrap
-from evaluation.protocols import Retrieved, choose_gate, choose_reach, ranked_ids, retrieve_and_rerank
+from evaluation.protocols import (
+    Retrieved,
+    choose_gate,
+    choose_reach,
+    ranked_ids,
+    reranked_per_context,
+    retrieve_and_rerank,
+)
 
 
 def span(flag: str, text: str) -> tuple[str, int, int]:
@@ -167,14 +174,15 @@ def main() -> None:
             for label, (gate, reach) in gates.items():
                 gated_answers, hit = answer(fusion, gate, reach)
                 hits[name][label] = hit
-                read = [min(gated(c, fusion, gate, reach)[1], n_r) for c in retrieved.candidates]
                 rows[label] = {
                     "gate": gate,
                     "reach": reach,
                     "skipped_%": round(
                         100 * float(np.mean([confident(c, gate) for c in retrieved.candidates])), 2
                     ),
-                    "reranked_per_context": round(float(np.mean(read)), 2),
+                    "reranked_per_context": round(
+                        reranked_per_context(retrieved, fusion, n_r, gate, reach), 2
+                    ),
                     "changed_%": round(
                         100 * float(np.mean([a != b for a, b in zip(gated_answers, answers, strict=True)])), 2
                     ),

@@ -215,6 +215,15 @@ def ranked_ids(
     return out
 
 
+def reranked_per_context(
+    got: Retrieved, fusion: str, n_r: int, gate: float | None = None, reach: float | None = None
+) -> float:
+    """How many of its first ``n_r`` candidates the reranker reads a context, on average, behind ``gate``
+    and within ``reach`` (:func:`~coreply.gate.gated`; 0 for a context the gate skips)."""
+    read = [min(gated(c, fusion, gate, reach)[1], n_r) for c in got.candidates]  # [N]
+    return float(np.mean(read)) if read else 0.0
+
+
 def ranks_for(
     pairs: Sequence[Pair],
     pool_keys: Sequence[str],

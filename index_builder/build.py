@@ -43,7 +43,7 @@ from coreply.checkpoint import load_bi, load_checkpoint, load_dialogue_tokenizer
 from coreply.config import ZERO_SHOT
 from coreply.corpus import Pair, distinct
 from coreply.device import resolve_device
-from coreply.gate import GATE_FIDELITY, REACH_FIDELITY, confident, gated
+from coreply.gate import GATE_FIDELITY, REACH_FIDELITY, confident
 from coreply.inference import INT8, Backend, export_onnx
 from coreply.knowledge import trained_top_m
 from coreply.ranking import Pipeline
@@ -55,6 +55,7 @@ from evaluation.protocols import (
     choose_reach,
     choose_zscore_weight,
     ranks_for,
+    reranked_per_context,
     retrieve_and_rerank,
 )
 from index_builder.faiss_index import EXACT, check_index_spec, make_index, recall_vs_exact
@@ -135,7 +136,6 @@ def calibrate_fusion(
     skipped = np.mean([confident(c, gate) for c in got.candidates]) if got.candidates else 0.0
     gated_ranks = ranks_for(pairs, ranking.keys, got, fusion, n_r, weight, gate)
     reach = None if reach_fidelity is None else choose_reach(got, fusion, n_r, weight, gate, reach_fidelity)
-    read = [min(gated(c, fusion, gate, reach)[1], n_r) for c in got.candidates]  # [N] candidates reranked
     reached_ranks = ranks_for(pairs, ranking.keys, got, fusion, n_r, weight, gate, reach)
     return {
         "default": fusion,
@@ -151,7 +151,7 @@ def calibrate_fusion(
         "reach": {
             "margin": reach,
             "fidelity": reach_fidelity,
-            "reranked_per_context": round(float(np.mean(read)) if read else 0.0, 2),
+            "reranked_per_context": round(reranked_per_context(got, fusion, n_r, gate, reach), 2),
             "hits@1": round(summarize(reached_ranks)["hits@1"], 2),
         },
         "calibrated_on": f"{len(pairs)} held-out pairs, hits@1 at n_r={n_r}",
