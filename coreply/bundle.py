@@ -63,6 +63,9 @@ KNOWLEDGE = "knowledge.json"
 PRIOR = "prior.npy"
 LEXICAL = "lexical.json"
 WITHDRAWN = "withdrawn.json"
+CALIBRATED = ("restatement", "prior", "lexical", "fusion")
+"""The manifest entries that hold choices calibrated on held-out pairs when a bundle is built; each may
+instead be pinned from another build's (``"pinned"``: which build; index_builder.build.pins_of)."""
 MAX_WITHDRAWN = 1000
 """The most responses a bundle may withdraw: each one may hide a hit, so every search fetches that many
 more; a pool that loses more is better rebuilt without them."""

@@ -148,18 +148,23 @@ def fit(
     keys: Sequence[str],
     reference_pairs: Sequence[Pair],
     held_out: Sequence[Pair],
+    alpha: float | None = None,
 ) -> tuple[Prior, dict[str, Any]]:
     """The prior of a pool (``vectors`` [N, D], ``keys`` its :func:`normalize`d texts): rho over a sample
     of ``reference_pairs``' contexts, each response's own conversations masked, and the weight with the
     best hits@1 on the first :data:`HELD_OUT` of ``held_out`` whose replies are in the pool, searched as a
-    retriever serves them (echoes of a context turn removed). ``encode_contexts``: contexts -> [n, D];
-    ``search``: (queries [Q, D], k) -> (scores, ids) [Q, k] each. Returns it and a manifest entry."""
+    retriever serves them (echoes of a context turn removed), unless ``alpha`` gives it (``held_out`` is
+    then not read). ``encode_contexts``: contexts -> [n, D]; ``search``: (queries [Q, D], k) -> (scores,
+    ids) [Q, k] each. Returns it and a manifest entry."""
     reference = reference_sample(reference_pairs)
     values = neighbourhood(
         vectors,
         encode_contexts([p.context for p in reference]),
         masked=own_conversations(keys, reference, reference_pairs),
     )
+    measured = {"k": min(K, len(reference)), "reference_contexts": len(reference)}
+    if alpha is not None:
+        return Prior(alpha, values), {"alpha": alpha, **measured, "chosen_on": "given"}
     where = {key: i for i, key in enumerate(keys)}
     pairs = [p for p in held_out if normalize(p.response) in where][:HELD_OUT]
     if not pairs:
@@ -174,8 +179,7 @@ def fit(
     alpha, hits = choose_alpha(values, np.asarray(scores), ids, gold)
     entry = {
         "alpha": alpha,
-        "k": min(K, len(reference)),
-        "reference_contexts": len(reference),
+        **measured,
         "chosen_on": f"{len(pairs)} held-out pairs, hits@1 of retrieval (echoes removed) per alpha",
         "hits@1": hits,
     }

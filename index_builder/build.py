@@ -10,7 +10,7 @@ import logging
 import platform
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ from tqdm import tqdm
 from coreply import lexical, prior, restatement
 from coreply.artifacts import changes, link_or_copy, staging
 from coreply.bundle import (
+    CALIBRATED,
     INDEX,
     LEXICAL,
     MANIFEST,
@@ -104,6 +105,27 @@ def _place_model(spec: str, kind: str, dest: Path, device: str):
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(path, target)
     return load_checkpoint(dest, device, expect=kind)
+
+
+def pins_of(manifest: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """A built bundle's calibrated choices as :func:`build_bundle`'s ``pinned``: what a recipe keeps so
+    that it builds the same bundle on any host without calibrating again. ``source`` says which build
+    they come from (host, date)."""
+    strip = lambda entry: {k: v for k, v in entry.items() if k != "pinned"}  # noqa: E731
+    return {"source": source} | {name: strip(manifest[name]) for name in CALIBRATED if manifest.get(name)}
+
+
+def pinned_entries(pinned: Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """``pinned``'s entries, each marked ``"pinned": source``; a name that is not in :data:`CALIBRATED`,
+    or no ``source``, is refused."""
+    if not pinned:
+        return {}
+    unknown = set(pinned) - {*CALIBRATED, "source"}
+    if unknown or not pinned.get("source"):
+        raise ValueError(
+            f"pinned choices need a 'source' and entries among {CALIBRATED}, got {sorted(pinned)}"
+        )
+    return {name: {**entry, "pinned": pinned["source"]} for name, entry in pinned.items() if name != "source"}
 
 
 def calibrate_fusion(
@@ -218,6 +240,7 @@ def build_bundle(
     lexical_depth: int = lexical.DEPTH,
     gate_fidelity: float | None = GATE_FIDELITY,
     reach_fidelity: float | None = REACH_FIDELITY,
+    pinned: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Encode ``texts`` (normalised duplicates dropped, first spelling kept, ids in order) and write a
     bundle to ``out`` atomically. ``queries`` (contexts) measure the index's recall against exact search;
@@ -233,7 +256,10 @@ def build_bundle(
     ``lexical_pairs`` at the weight they choose (neither, or a chosen weight of 1: no lexical stage).
     ``calibration`` pairs also choose a cross-encoder's rerank gate at ``gate_fidelity`` and its rerank
     reach at ``reach_fidelity`` (None: no gate, no reach; the poly stage, which costs well under a
-    millisecond, is never gated)."""
+    millisecond, is never gated). ``pinned`` holds what a reference build of the same recipe and weights
+    chose (:data:`CALIBRATED` manifest entries, and ``source``: which build): a stage with an entry there
+    takes it instead of calibrating, and needs no held-out pairs (the prior still measures rho, at the
+    pinned weight); each such entry says ``"pinned": source`` in the manifest."""
     if onnx not in ONNX_CHOICES:
         raise ValueError(f"--onnx must be one of {ONNX_CHOICES}, got {onnx!r}")
     if top_m is not None and top_m < 1:
@@ -256,6 +282,7 @@ def build_bundle(
     extra = [metadata[i] for i in keep] if any(metadata) else []
     if not pool:
         raise ValueError("the response pool is empty")
+    pins = pinned_entries(pinned)
     final = Path(out)
     with staging(final) as tmp:
         bi_model = _place_model(bi, "bi", tmp / "bi", str(torch_device))
@@ -310,32 +337,37 @@ def build_bundle(
         index = make_index(vectors, factory)
         apply_search_params(index, search_params)
         recall = recall_vs_exact(index, vectors, query_vectors) if query_vectors is not None else {}
-        if guard_quantile is not None and guard_pairs:
-            manifest["restatement"] = restatement.calibrate(
+        if guard_quantile is not None and (guard_pairs or "restatement" in pins):
+            manifest["restatement"] = pins.get("restatement") or restatement.calibrate(
                 backend.encode_responses, guard_pairs, guard_quantile
             )
         search = searcher(index, factory, str(torch_device))  # as the service will search it
-        if prior_pairs and guard_pairs:
-            bundle.prior, manifest["prior"] = prior.fit(
+        if prior_pairs and (guard_pairs or "prior" in pins):
+            bundle.prior, entry = prior.fit(
                 lambda contexts: encode_pool(backend, contexts, progress=progress, contexts=True),
                 search.search,
                 vectors,
                 bundle.keys,
                 prior_pairs,
                 guard_pairs,
+                alpha=pins["prior"]["alpha"] if "prior" in pins else None,
             )
+            manifest["prior"] = pins.get("prior", entry)
             np.save(tmp / PRIOR, bundle.prior.values)
         ranking = pipeline(bundle, backend, search)
-        if lexical_weight is not None or lexical_pairs:
+        if lexical_weight is not None or lexical_pairs or "lexical" in pins:
             from bm25s.stopwords import STOPWORDS_EN
 
             bm25 = lexical.BM25.fit(pool, STOPWORDS_EN)
-            stage, entry = calibrate_lexical(ranking, bm25, lexical_pairs, lexical_depth, lexical_weight)
+            weight = pins["lexical"]["weight"] if "lexical" in pins else lexical_weight
+            stage, entry = calibrate_lexical(ranking, bm25, lexical_pairs, lexical_depth, weight)
             if stage.weight < 1:
                 write_lexical(tmp, bm25)
                 bundle.lexical = ranking.lexical = stage
-                manifest["lexical"] = entry
-        if ranking.reranker is not None and calibration:
+                manifest["lexical"] = pins.get("lexical", entry)
+        if ranking.reranker is not None and "fusion" in pins:
+            manifest["fusion"] = pins["fusion"]
+        elif ranking.reranker is not None and calibration:
             fixed = manifest.get("fusion", {}).get("default")  # a residual's sum
             cross = ranking.reranker == "cross"  # the poly stage costs 0.4 ms: never gated
             manifest["fusion"] = calibrate_fusion(
@@ -345,6 +377,8 @@ def build_bundle(
                 fidelity=gate_fidelity if cross else None,
                 reach_fidelity=reach_fidelity if cross else None,
             )
+        if unused := [name for name in pins if manifest.get(name) is not pins[name]]:
+            raise ValueError(f"pinned choices for stages this build does not have: {unused}")
         import faiss
 
         faiss.write_index(index, str(tmp / INDEX))

@@ -25,6 +25,15 @@ now is), which keeps it closer to the reranker as trained (docs/results.md §53)
 the gate lets the reranker run it reads only the candidates within the bundle's rerank reach of the first
 stage's best, chosen on the same pairs (:mod:`coreply.gate`; docs/results.md §55). Shipping other
 weights under either name, or changing the recipe, rebuilds an existing default bundle.
+
+Since recipe 15 those choices are pinned (:data:`PINNED`): every host builds the bundle the reference
+build chose and docs/results.md measured, instead of choosing again from its own floats (the int8
+graphs' scores differ a little between CPUs, and choices made from them on 2,000 pairs differed more:
+another host chose a lexical weight of 0.7 and a reach of 1.15), and a first start skips the
+calibration's encoding and reranking (docs/results.md §56). The pins hold only for the weights they
+were chosen with (:data:`PINNED_FOR`); other weights are calibrated as before. After shipping new
+weights, build with ``calibrate=True`` and pin that build's choices:
+``index_builder.build.pins_of(manifest, source)``.
 """
 
 from __future__ import annotations
@@ -36,7 +45,7 @@ import coreply
 from coreply import lexical
 
 RECALL_QUERIES = 500
-RECIPE = "default bundle, recipe 14 (recipe 13 with a rerank reach)"
+RECIPE = "default bundle, recipe 15 (recipe 14 with its calibrated choices pinned)"
 """Recorded as the bundle's build command; a default bundle built by another recipe is rebuilt."""
 DEFAULT_BI = Path(coreply.__file__).parent / "weights" / "default-bi"
 DEFAULT_CROSS = Path(coreply.__file__).parent / "weights" / "default-cross"
@@ -44,6 +53,56 @@ CALIBRATION_PAIRS = lexical.PAIRS
 """The reranker's fusion and gate are chosen on the validation pairs the lexical stage's weight is chosen on,
 leaving the rest (2,000-6,621) to measure the bundle on."""
 GUARD_QUANTILE = 0.98
+PINNED_FOR = {
+    "bi": "e71fa516509c402fc13881048aa64bc6f3e33c815f68c3a46474f59e6f7faf0f",
+    "cross": "45366675ffce176f6c775c5da56930e74d9252d3e5e4298b1d1c06bcba166bf2",
+}
+"""The content hashes of the shipped weights :data:`PINNED` was chosen with."""
+PINNED: dict[str, Any] = {
+    "source": "recipe 14's reference build, 2026-11-30, 2-vCPU Intel Xeon (AMX) VM (docs/results.md §55-§56)",
+    "restatement": {
+        "calibrated_on": "5000 held-out pairs",
+        "earlier_turns": 0.7545,
+        "human_replies_dropped": 0.0414,
+        "last_turn": 0.756,
+        "quantile": 0.98,
+        "words_last_turn": 0.5,
+        "words_quantile": 0.995,
+    },
+    "prior": {
+        "alpha": 0.5,
+        "chosen_on": "6623 held-out pairs, hits@1 of retrieval (echoes removed) per alpha",
+        "hits@1": {"0": 5.53, "0.25": 5.74, "0.5": 5.78, "0.75": 5.77, "1": 5.69},
+        "k": 50,
+        "reference_contexts": 20000,
+    },
+    "lexical": {
+        "calibrated_on": "2000 held-out pairs, hits@1 of the first answer",
+        "depth": 100,
+        "hits@1": {"dense": 4.8, "with lexical": 5.3},
+        "stopwords": "english (NLTK's, as bm25s)",
+        "turns": 5,
+        "weight": 0.6,
+    },
+    # its gate and reach on valid[0:2000] as docs/reach-2026-11-30/rerank-gate-reach.json measured them
+    # (the sum always reranking: 6.0); the z-score weight is the 2026-12-01 AMD build's, as the reference
+    # build did not record its own (it serves only requests that name the z-score fusion)
+    "fusion": {
+        "calibrated_on": "2000 held-out pairs, hits@1 at n_r=10",
+        "default": "sum",
+        "gate": {"fidelity": 0.05, "hits@1": 5.85, "margin": 0.541443011530137, "skipped_%": 40.45},
+        "hits@1": {"sum": 6.0},
+        "reach": {
+            "fidelity": 0.01,
+            "hits@1": 5.85,
+            "margin": 0.9968004620585592,
+            "reranked_per_context": 3.73,
+        },
+        "zscore_weight": 0.4,
+    },
+}
+"""The default recipe's calibrated choices, as its reference build made them (``pinned`` of
+:func:`~index_builder.build.build_bundle`)."""
 
 
 def shipped_cross() -> Path | None:
@@ -51,7 +110,26 @@ def shipped_cross() -> Path | None:
     return DEFAULT_CROSS if (DEFAULT_CROSS / "checkpoint.json").is_file() else None
 
 
-def build_default_bundle(out: str | Path, progress: bool = True) -> dict[str, Any]:
+def shipped_hashes() -> dict[str, str | None]:
+    """The content hashes of the shipped retriever and reranker (None: no reranker in this checkout)."""
+    from coreply.checkpoint import read_meta
+
+    cross = shipped_cross()
+    return {"bi": read_meta(DEFAULT_BI)["content_hash"], "cross": cross and read_meta(cross)["content_hash"]}
+
+
+def pinned_choices() -> dict[str, Any] | None:
+    """:data:`PINNED` when the shipped weights are those it was chosen with, else None (with a line
+    saying so: the build then calibrates, which takes minutes)."""
+    if shipped_hashes() == PINNED_FOR:
+        return PINNED
+    print("the shipped weights are not those the default's choices were pinned for: calibrating", flush=True)
+    return None
+
+
+def build_default_bundle(out: str | Path, progress: bool = True, calibrate: bool = False) -> dict[str, Any]:
+    """The default bundle at ``out``, with its :data:`PINNED` choices unless ``calibrate`` (or other
+    weights are shipped): then chosen on the validation split, as the reference build chose them."""
     from coreply.corpus import load_chitchat, responses_of
     from index_builder.build import build_bundle
 
@@ -72,6 +150,7 @@ def build_default_bundle(out: str | Path, progress: bool = True) -> dict[str, An
         guard_quantile=GUARD_QUANTILE,
         prior_pairs=splits["train"],
         lexical_pairs=splits["valid"][: lexical.PAIRS],
+        pinned=None if calibrate else pinned_choices(),
     )
 
 
@@ -79,14 +158,11 @@ def ensure_default_bundle(path: Path) -> None:
     """Build the default bundle at ``path`` when it is missing, or rebuild it when it was built from
     other shipped weights or by another recipe than this checkout's (so pulling either takes effect)."""
     from coreply.bundle import MANIFEST, read_manifest
-    from coreply.checkpoint import read_meta
 
     if (path / MANIFEST).is_file():
         manifest = read_manifest(path, verify=False)
-        built = [(manifest["models"].get(k) or {}).get("content_hash") for k in ("bi", "cross")]
-        cross = shipped_cross()
-        shipped = [read_meta(DEFAULT_BI)["content_hash"], read_meta(cross)["content_hash"] if cross else None]
-        if built == shipped and manifest.get("build", {}).get("command") == RECIPE:
+        built = {k: (manifest["models"].get(k) or {}).get("content_hash") for k in ("bi", "cross")}
+        if built == shipped_hashes() and manifest.get("build", {}).get("command") == RECIPE:
             return  # the server verifies every file when it loads the bundle
         why = "the shipped weights or the recipe changed since it was built"
     else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from coreply.bundle import default_fusion, read_manifest, rerank_stage
+from coreply.bundle import CALIBRATED, default_fusion, read_manifest, rerank_stage
 
 
 def _size(path: Path) -> int:
@@ -59,6 +59,11 @@ def _fusion(m: dict[str, Any]) -> str:
     return f"{default_fusion(m)} by default, z-score weight {weight}{gated}"
 
 
+def _measured(entry: dict[str, Any]) -> str:
+    """': {hits@1 per setting}' where the entry was chosen by them ('' where it was given)."""
+    return f": {entry['hits@1']}" if "hits@1" in entry else ""
+
+
 def _guard(entry: dict[str, Any] | None) -> str:
     if not entry:
         return "none (restatements of the context are not dropped)"
@@ -106,7 +111,7 @@ def describe(path: str | Path) -> list[tuple[str, str]]:
             "prior",
             f"retrieval scores less {prior['alpha']} x each response's mean score against its "
             f"{prior['k']} closest of {prior['reference_contexts']:,} reference contexts "
-            f"({prior['chosen_on']}: {prior['hits@1']})"
+            f"({prior['chosen_on']}{_measured(prior)})"
             if prior
             else "none",
         ),
@@ -118,6 +123,9 @@ def describe(path: str | Path) -> list[tuple[str, str]]:
             + f"; total {sum(sizes.values()) / 1e6:.1f} MB",
         ),
     ]
+    pinned = {entry["pinned"] for entry in (m.get(name) or {} for name in CALIBRATED) if "pinned" in entry}
+    if pinned:  # these choices were made by another build (index_builder.build.pins_of)
+        lines.append(("choices", "pinned from " + "; ".join(sorted(pinned))))
     if build.get("command"):
         lines.append(("built by", build["command"]))
     return lines

@@ -113,3 +113,35 @@ def test_the_shipped_reranker_prefers_a_reply_to_an_unrelated_turn():
     unrelated = ["the weather is cold today.", "i love pizza with extra cheese"]
     scores = cross.score_pairs(contexts * 2, replies + unrelated)  # [4]: replies, then unrelated turns
     assert (scores[:2] > scores[2:] + 1).all(), scores.tolist()
+
+
+def test_the_default_is_built_with_the_choices_pinned_for_the_shipped_weights(tmp_path, monkeypatch):
+    """The pins hold for the shipped weights (shipping others without pinning that build's choices
+    fails here) and describe this recipe's stages; other weights, or ``calibrate``, are calibrated."""
+    from coreply import gate, lexical, prior, restatement
+    from coreply.bundle import CALIBRATED
+    from coreply.ranking import FUSIONS
+    from index_builder import build, default
+
+    assert default.shipped_hashes() == default.PINNED_FOR, "new weights: pin a calibrated build's choices"
+    pins = default.PINNED
+    assert set(pins) == {"source", *CALIBRATED}
+    assert (pins["restatement"]["quantile"], pins["restatement"]["words_quantile"]) == (
+        default.GUARD_QUANTILE,
+        restatement.WORDS_QUANTILE,
+    )
+    assert (pins["prior"]["k"], pins["prior"]["reference_contexts"]) == (prior.K, prior.REFERENCE)
+    assert pins["prior"]["alpha"] in prior.ALPHAS
+    assert (pins["lexical"]["depth"], pins["lexical"]["turns"]) == (lexical.DEPTH, lexical.TURNS)
+    fusion = pins["fusion"]
+    assert fusion["default"] in FUSIONS and 0 <= fusion["zscore_weight"] <= 1
+    fidelities = (fusion["gate"]["fidelity"], fusion["reach"]["fidelity"])
+    assert fidelities == (gate.GATE_FIDELITY, gate.REACH_FIDELITY)
+
+    calls = []
+    monkeypatch.setattr(build, "build_bundle", lambda out, texts, **kw: calls.append(kw["pinned"]))
+    default.build_default_bundle(tmp_path / "b")
+    default.build_default_bundle(tmp_path / "b", calibrate=True)
+    monkeypatch.setattr(default, "PINNED_FOR", {"bi": "other weights", "cross": None})
+    default.build_default_bundle(tmp_path / "b")
+    assert calls == [pins, None, None]

@@ -1009,3 +1009,55 @@ def test_a_lexical_stage_is_chosen_on_pairs_counted_on_add_and_checked_on_load(
         load_bundle(stale)
     with pytest.raises(ValueError, match="--lexical: give a weight in"):
         build_bundle(tmp_path / "c", toy_pool(), onnx="none", lexical_weight=1.5, progress=False)
+
+
+@pytest.mark.parametrize(
+    "stages",
+    [("restatement", "prior", "fusion"), ("prior", "lexical", "fusion")],  # the guard drops the lexical cues
+    ids=lambda stages: "+".join(stages),
+)
+def test_a_build_with_pinned_choices_is_the_calibrated_build_without_calibrating(
+    tmp_path, tiny_core, toy_pairs, monkeypatch, stages
+):
+    """A reference build's choices (``pins_of``) make the same bundle elsewhere: the same manifest entries
+    (each marked pinned), prior and lexical statistics, and none of the calibration's work is done, so
+    no held-out pairs are needed."""
+    from conftest import TOPICS
+
+    from coreply import prior, restatement
+    from coreply.bundle import CALIBRATED
+    from coreply.corpus import Pair
+    from index_builder import build
+    from index_builder.build import pins_of
+
+    cues = [Pair((f"so, {a.split()[-1]} or {a.split()[-3]}?",), a, n) for n, (_, a) in TOPICS.items()]
+    models = {"bi": str(tiny_core / "bi"), "cross": str(tiny_core / "cross")}
+    guard = 0.99 if "restatement" in stages else None
+    options = {"onnx": "none", "progress": False, "prior_pairs": toy_pairs[:24], "guard_quantile": guard}
+    held_out = {"guard_pairs": toy_pairs[24:], "calibration": toy_pairs[:16]}
+    held_out["lexical_pairs"] = cues if "lexical" in stages else ()
+    calibrated = build_bundle(tmp_path / "ref", toy_pool(), **models, **options, **held_out)
+    assert tuple(n for n in CALIBRATED if calibrated.get(n)) == stages
+    pins = pins_of(calibrated, "the reference build")
+
+    def no_calibration(*args, **kwargs):
+        raise AssertionError("a pinned build calibrated")
+
+    for module, name in [(restatement, "calibrate"), (prior, "choose_alpha"), (build, "retrieve_and_rerank")]:
+        monkeypatch.setattr(module, name, no_calibration)
+    pinned = build_bundle(tmp_path / "pinned", toy_pool(), **models, **options, pinned=pins)  # no pairs
+    for name in stages:
+        assert pinned[name] == calibrated[name] | {"pinned": "the reference build"}
+    assert pinned["files"] == calibrated["files"]  # the prior's values and lexical statistics among them
+    assert pins_of(pinned, "the reference build") == pins  # pinning a pinned build changes nothing
+    from index_builder.info import describe
+
+    assert dict(describe(tmp_path / "pinned"))["choices"] == "pinned from the reference build"
+    assert "choices" not in dict(describe(tmp_path / "ref"))
+    with pytest.raises(ValueError, match="need a 'source'"):
+        build_bundle(tmp_path / "x", toy_pool(), **models, pinned={"fusion": pins["fusion"]})
+    with pytest.raises(ValueError, match="entries among"):
+        build_bundle(tmp_path / "x", toy_pool(), **models, pinned=pins | {"guard": {}})
+    with pytest.raises(ValueError, match=r"stages this build does not have: \['fusion'\]"):
+        build_bundle(tmp_path / "x", toy_pool(), bi=models["bi"], **options, pinned=pins)  # no reranker
+    assert not (tmp_path / "x").exists()
