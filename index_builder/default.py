@@ -167,5 +167,5 @@ def ensure_default_bundle(path: Path) -> None:
         why = "the shipped weights or the recipe changed since it was built"
     else:
         why = "first start only"
-    print(f"building the default bundle in {path} ({why}; a few minutes)", flush=True)
+    print(f"building the default bundle in {path} ({why}; 6-17 minutes on 2 vCPUs)", flush=True)
     build_default_bundle(path)
