@@ -111,8 +111,10 @@ def pins_of(manifest: Mapping[str, Any], source: str) -> dict[str, Any]:
     """A built bundle's calibrated choices as :func:`build_bundle`'s ``pinned``: what a recipe keeps so
     that it builds the same bundle on any host without calibrating again. ``source`` says which build
     they come from (host, date)."""
-    strip = lambda entry: {k: v for k, v in entry.items() if k != "pinned"}  # noqa: E731
-    return {"source": source} | {name: strip(manifest[name]) for name in CALIBRATED if manifest.get(name)}
+    chosen = {name: dict(manifest[name]) for name in CALIBRATED if manifest.get(name)}
+    for entry in chosen.values():
+        entry.pop("pinned", None)  # a pinned build's choices are its source's
+    return {"source": source, **chosen}
 
 
 def pinned_entries(pinned: Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:
