@@ -112,8 +112,9 @@ def pins_of(manifest: Mapping[str, Any], source: str) -> dict[str, Any]:
     that it builds the same bundle on any host without calibrating again. ``source`` says which build
     they come from (host, date)."""
     chosen = {name: dict(manifest[name]) for name in CALIBRATED if manifest.get(name)}
-    for entry in chosen.values():
-        entry.pop("pinned", None)  # a pinned build's choices are its source's
+    for entry in chosen.values():  # a pinned build's choices are its source's, and so are the marks
+        entry.pop("pinned", None)
+        entry.pop("rho", None)
     return {"source": source, **chosen}
 
 
@@ -243,6 +244,7 @@ def build_bundle(
     gate_fidelity: float | None = GATE_FIDELITY,
     reach_fidelity: float | None = REACH_FIDELITY,
     pinned: Mapping[str, Any] | None = None,
+    rho: np.ndarray | None = None,
 ) -> dict[str, Any]:
     """Encode ``texts`` (normalised duplicates dropped, first spelling kept, ids in order) and write a
     bundle to ``out`` atomically. ``queries`` (contexts) measure the index's recall against exact search;
@@ -261,7 +263,9 @@ def build_bundle(
     millisecond, is never gated). ``pinned`` holds what a reference build of the same recipe and weights
     chose (:data:`CALIBRATED` manifest entries, and ``source``: which build): a stage with an entry there
     takes it instead of calibrating, and needs no held-out pairs (the prior still measures rho, at the
-    pinned weight); each such entry says ``"pinned": source`` in the manifest."""
+    pinned weight, unless ``rho`` [len(pool)] gives the values that reference build measured on this very
+    pool: then no reference contexts are encoded either, and the entry also says ``"rho": "pinned"``);
+    each such entry says ``"pinned": source`` in the manifest."""
     if onnx not in ONNX_CHOICES:
         raise ValueError(f"--onnx must be one of {ONNX_CHOICES}, got {onnx!r}")
     if top_m is not None and top_m < 1:
@@ -285,6 +289,13 @@ def build_bundle(
     if not pool:
         raise ValueError("the response pool is empty")
     pins = pinned_entries(pinned)
+    if rho is not None:
+        rho = np.asarray(rho, dtype=np.float32)
+        if "prior" not in pins:
+            raise ValueError("pinned rho needs the prior's pinned entry (its weight)")
+        if rho.shape != (len(pool),) or not np.isfinite(rho).all():
+            raise ValueError(f"pinned rho: {rho.shape} values (finite?) for a pool of {len(pool)} responses")
+        pins["prior"]["rho"] = "pinned"
     final = Path(out)
     with staging(final) as tmp:
         bi_model = _place_model(bi, "bi", tmp / "bi", str(torch_device))
@@ -344,7 +355,9 @@ def build_bundle(
                 backend.encode_responses, guard_pairs, guard_quantile
             )
         search = searcher(index, factory, str(torch_device))  # as the service will search it
-        if prior_pairs and (guard_pairs or "prior" in pins):
+        if rho is not None:
+            bundle.prior, manifest["prior"] = prior.Prior(pins["prior"]["alpha"], rho), pins["prior"]
+        elif prior_pairs and (guard_pairs or "prior" in pins):
             bundle.prior, entry = prior.fit(
                 lambda contexts: encode_pool(backend, contexts, progress=progress, contexts=True),
                 search.search,
@@ -355,6 +368,7 @@ def build_bundle(
                 alpha=pins["prior"]["alpha"] if "prior" in pins else None,
             )
             manifest["prior"] = pins.get("prior", entry)
+        if bundle.prior is not None:
             np.save(tmp / PRIOR, bundle.prior.values)
         ranking = pipeline(bundle, backend, search)
         if lexical_weight is not None or lexical_pairs or "lexical" in pins:

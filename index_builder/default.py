@@ -32,17 +32,29 @@ graphs' scores differ a little between CPUs, and choices made from them on 2,000
 another host chose a lexical weight of 0.7 and a reach of 1.15), and a first start skips the
 calibration's encoding and reranking (docs/results.md §56). The pins hold only for the weights they
 were chosen with (:data:`PINNED_FOR`); other weights are calibrated as before. After shipping new
-weights, build with ``calibrate=True`` and pin that build's choices:
-``index_builder.build.pins_of(manifest, source)``.
+weights, build with ``calibrate=True`` and pin that build's choices
+(``index_builder.build.pins_of(manifest, source)``) and its ``prior.npy`` (:data:`PINNED_RHO`).
+
+The prior's values come pinned too (:data:`PINNED_RHO`): the 124,141 rho that recipe 15's build on a
+2-vCPU AMD EPYC host measured, the bundle docs/results.md §56 measured as served. A first start then
+encodes no reference contexts (317 s of it on that host, docs/results.md §57). They hold for the shipped
+retriever and for the pool they were measured on (:data:`PINNED_POOL`, the corpus's texts as
+:func:`pool_digest` reads them); any other pool measures its own.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 import coreply
 from coreply import lexical
+from coreply.artifacts import sha256_file
 
 RECALL_QUERIES = 500
 RECIPE = "default bundle, recipe 15 (recipe 14 with its calibrated choices pinned)"
@@ -58,6 +70,11 @@ PINNED_FOR = {
     "cross": "45366675ffce176f6c775c5da56930e74d9252d3e5e4298b1d1c06bcba166bf2",
 }
 """The content hashes of the shipped weights :data:`PINNED` was chosen with."""
+PINNED_RHO = Path(coreply.__file__).parent / "weights" / "default-prior.npy"
+"""The prior's rho per response (float32 [124,141]) as recipe 15's build measured it on 2026-12-01."""
+PINNED_RHO_SHA256 = "d9dfd1a423b334a4840045b2c46934c23c5e5d33eb6b91ec70c84033ebaa14f7"
+PINNED_POOL = "28c733eaef7f87f6be4e5a6525b755063d906d5c51f38b66a5fc506452cca657"
+"""The :func:`pool_digest` of the texts :data:`PINNED_RHO` was measured for (the corpus's responses)."""
 PINNED: dict[str, Any] = {
     "source": "recipe 14's reference build, 2026-11-30, 2-vCPU Intel Xeon (AMX) VM (docs/results.md §55-§56)",
     "restatement": {
@@ -127,6 +144,23 @@ def pinned_choices() -> dict[str, Any] | None:
     return None
 
 
+def pool_digest(texts: Sequence[str]) -> str:
+    """The sha256 of a list of texts, in order."""
+    return hashlib.sha256(json.dumps(list(texts), ensure_ascii=False).encode()).hexdigest()
+
+
+def pinned_rho(texts: Sequence[str]) -> np.ndarray | None:
+    """:data:`PINNED_RHO` when ``texts`` are those it was measured for and the file is intact, else None
+    (with a line saying so: the build then measures rho, which takes minutes)."""
+    if pool_digest(texts) != PINNED_POOL:
+        print("the corpus is not the one the default's prior was measured on: measuring it", flush=True)
+    elif not PINNED_RHO.is_file() or sha256_file(PINNED_RHO) != PINNED_RHO_SHA256:
+        print(f"{PINNED_RHO} is missing or does not match its checksum: measuring the prior", flush=True)
+    else:
+        return np.load(PINNED_RHO, allow_pickle=False)
+    return None
+
+
 def build_default_bundle(out: str | Path, progress: bool = True, calibrate: bool = False) -> dict[str, Any]:
     """The default bundle at ``out``, with its :data:`PINNED` choices unless ``calibrate`` (or other
     weights are shipped): then chosen on the validation split, as the reference build chose them."""
@@ -135,9 +169,11 @@ def build_default_bundle(out: str | Path, progress: bool = True, calibrate: bool
 
     splits = load_chitchat()
     cross = shipped_cross()
+    texts = responses_of(splits)
+    pinned = None if calibrate else pinned_choices()
     return build_bundle(
         out,
-        responses_of(splits),
+        texts,
         bi=str(DEFAULT_BI),
         cross=str(cross) if cross else None,
         calibration=splits["valid"][:CALIBRATION_PAIRS] if cross else (),
@@ -150,7 +186,8 @@ def build_default_bundle(out: str | Path, progress: bool = True, calibrate: bool
         guard_quantile=GUARD_QUANTILE,
         prior_pairs=splits["train"],
         lexical_pairs=splits["valid"][: lexical.PAIRS],
-        pinned=None if calibrate else pinned_choices(),
+        pinned=pinned,
+        rho=pinned_rho(texts) if pinned else None,
     )
 
 
@@ -167,5 +204,5 @@ def ensure_default_bundle(path: Path) -> None:
         why = "the shipped weights or the recipe changed since it was built"
     else:
         why = "first start only"
-    print(f"building the default bundle in {path} ({why}; 6-17 minutes on 2 vCPUs)", flush=True)
+    print(f"building the default bundle in {path} ({why}; 6-11 minutes on 2 vCPUs)", flush=True)
     build_default_bundle(path)

@@ -1,5 +1,6 @@
 """The retriever and rerankers shipped in the repository."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -139,9 +140,30 @@ def test_the_default_is_built_with_the_choices_pinned_for_the_shipped_weights(tm
     assert fidelities == (gate.GATE_FIDELITY, gate.REACH_FIDELITY)
 
     calls = []
-    monkeypatch.setattr(build, "build_bundle", lambda out, texts, **kw: calls.append(kw["pinned"]))
+
+    def build_bundle(out, texts, pinned, rho, **kw):
+        calls.append((pinned, rho is not None))
+
+    monkeypatch.setattr(build, "build_bundle", build_bundle)
     default.build_default_bundle(tmp_path / "b")
     default.build_default_bundle(tmp_path / "b", calibrate=True)
     monkeypatch.setattr(default, "PINNED_FOR", {"bi": "other weights", "cross": None})
     default.build_default_bundle(tmp_path / "b")
-    assert calls == [pins, None, None]
+    assert calls == [(pins, True), (None, False), (None, False)]
+
+
+def test_the_default_prior_is_shipped_for_the_corpus_it_was_measured_on(monkeypatch, capsys):
+    """The shipped rho is intact and fits the installed corpus's pool; another pool, or a damaged
+    file, measures its own (with a line saying so)."""
+    from coreply.corpus import distinct, load_chitchat, responses_of
+    from index_builder import default
+
+    texts = responses_of(load_chitchat())
+    assert default.pool_digest(texts) == default.PINNED_POOL, "another corpus: ship the rho measured on it"
+    rho = default.pinned_rho(texts)
+    assert rho.dtype == np.float32 and rho.shape == (len(distinct(texts)),) and np.isfinite(rho).all()
+    assert default.pinned_rho(texts[:-1]) is None
+    assert "not the one the default's prior was measured on" in capsys.readouterr().out
+    monkeypatch.setattr(default, "PINNED_RHO_SHA256", "0" * 64)
+    assert default.pinned_rho(texts) is None
+    assert "does not match its checksum" in capsys.readouterr().out

@@ -1025,7 +1025,7 @@ def test_a_build_with_pinned_choices_is_the_calibrated_build_without_calibrating
     from conftest import TOPICS
 
     from coreply import prior, restatement
-    from coreply.bundle import CALIBRATED
+    from coreply.bundle import CALIBRATED, PRIOR
     from coreply.corpus import Pair
     from index_builder import build
     from index_builder.build import pins_of
@@ -1060,4 +1060,19 @@ def test_a_build_with_pinned_choices_is_the_calibrated_build_without_calibrating
         build_bundle(tmp_path / "x", toy_pool(), **models, pinned=pins | {"guard": {}})
     with pytest.raises(ValueError, match=r"stages this build does not have: \['fusion'\]"):
         build_bundle(tmp_path / "x", toy_pool(), bi=models["bi"], **options, pinned=pins)  # no reranker
+    assert not (tmp_path / "x").exists()
+
+    # The reference build's rho as well: no reference contexts are read or encoded.
+    monkeypatch.setattr(prior, "neighbourhood", no_calibration)
+    rho = np.load(tmp_path / "ref" / PRIOR)
+    no_reference = options | {"prior_pairs": ()}
+    given = build_bundle(tmp_path / "rho", toy_pool(), **models, **no_reference, pinned=pins, rho=rho)
+    assert given["prior"] == pinned["prior"] | {"rho": "pinned"}
+    assert given["files"] == calibrated["files"]
+    assert pins_of(given, "the reference build") == pins
+    without_prior = {name: entry for name, entry in pins.items() if name != "prior"}
+    with pytest.raises(ValueError, match="pinned rho needs the prior's pinned entry"):
+        build_bundle(tmp_path / "x", toy_pool(), **models, **options, pinned=without_prior, rho=rho)
+    with pytest.raises(ValueError, match=rf"pinned rho: \(3,\) values \(finite\?\) for a pool of {len(rho)}"):
+        build_bundle(tmp_path / "x", toy_pool(), **models, **options, pinned=pins, rho=rho[:3])
     assert not (tmp_path / "x").exists()
