@@ -15,7 +15,7 @@ random ones) and reports:
   reranker (``--cross-residual``) trains on.
 
     python bench/paraphrase_negatives.py --bi coreply/weights/default-bi \\
-        --cross coreply/weights/core-cross-r32 --batches 40 --out paraphrase-negatives.json   # ~11 min here
+        --cross coreply/weights/default-cross --batches 40 --out paraphrase-negatives.json   # ~11 min here
 """
 
 from __future__ import annotations

@@ -207,15 +207,16 @@ RUNS=(
   # A reranker trained as a correction to the shipped retriever's scores (--cross-residual: the lists'
   # CE is of their sum): CORE's reranker of 2026-11-26 plateaued 4 hits@1 below its retriever while their
   # sum was 2 above it (docs/results.md 25-26). What it learns ships behind that retriever unchanged.
-  # residual-core starts from that reranker (its compact copy, shipped in the tree): step 0 is their sum,
-  # the best two-stage answer measured (+0.3 hits@1 on the test's full pool, p = 0.17; results.md 26);
-  # residual starts as the retriever (a correction of 0). Each is kept only once its sum beats its start
+  # residual-core started from that reranker: step 0 was their sum, the best two-stage answer measured
+  # then (+0.3 hits@1 on the test's full pool, p = 0.17; results.md 26), and it did not move the test
+  # (results.md 29). The run is done and left the queue, and that reranker left the tree to leave a call
+  # room (git checkout 3c92ee2 -- coreply/weights/core-cross-r32; its flags: --init-cross with it
+  # and --cross-residual, as residual's). residual starts as the retriever (a correction of 0). Each is kept only once its sum beats its start
   # over the validation pool, which may take a while: the whole epoch runs (patience 8). Random negatives:
   # a residual reranker's gradient comes only from the lists its retriever gets wrong, and with 4 of its
   # negatives mined near the last turn (RESTATE: 97 % of them not restatements but topical replies, which
   # the retriever puts first in 76 % of lists) or near the context, it learned to pull the sum below the
   # retriever on the CPU (docs/results.md 27, 28); residual-hard is the mined mix.
-  "residual-core|--mode independent --models cross --init-bi coreply/weights/default-bi --init-cross coreply/weights/core-cross-r32 --cross-residual --patience 8"
   "residual|--mode independent --models cross --init-bi coreply/weights/default-bi --cross-residual --patience 8"
   "residual-hard|--mode independent --models cross --init-bi coreply/weights/default-bi --cross-residual ${RESTATE[*]} --hard-negatives 4 --patience 8"
   # the same at the size a CPU default can afford (2 layers x 64 tokens: docs/performance.md §5), a
