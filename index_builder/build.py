@@ -245,6 +245,7 @@ def build_bundle(
     reach_fidelity: float | None = REACH_FIDELITY,
     pinned: Mapping[str, Any] | None = None,
     rho: np.ndarray | None = None,
+    rho_source: str = "",
 ) -> dict[str, Any]:
     """Encode ``texts`` (normalised duplicates dropped, first spelling kept, ids in order) and write a
     bundle to ``out`` atomically. ``queries`` (contexts) measure the index's recall against exact search;
@@ -263,9 +264,9 @@ def build_bundle(
     millisecond, is never gated). ``pinned`` holds what a reference build of the same recipe and weights
     chose (:data:`CALIBRATED` manifest entries, and ``source``: which build): a stage with an entry there
     takes it instead of calibrating, and needs no held-out pairs (the prior still measures rho, at the
-    pinned weight, unless ``rho`` [len(pool)] gives the values that reference build measured on this very
-    pool: then no reference contexts are encoded either, and the entry also says ``"rho": "pinned"``);
-    each such entry says ``"pinned": source`` in the manifest."""
+    pinned weight, unless ``rho`` [len(pool)] gives the values a build of the same retriever measured on
+    this very pool, ``rho_source``: then no reference contexts are encoded either, and the entry also says
+    ``"rho": rho_source``); each such entry says ``"pinned": source`` in the manifest."""
     if onnx not in ONNX_CHOICES:
         raise ValueError(f"--onnx must be one of {ONNX_CHOICES}, got {onnx!r}")
     if top_m is not None and top_m < 1:
@@ -291,11 +292,11 @@ def build_bundle(
     pins = pinned_entries(pinned)
     if rho is not None:
         rho = np.asarray(rho, dtype=np.float32)
-        if "prior" not in pins:
-            raise ValueError("pinned rho needs the prior's pinned entry (its weight)")
+        if "prior" not in pins or not rho_source:
+            raise ValueError("pinned rho needs the prior's pinned entry (its weight) and a rho_source")
         if rho.shape != (len(pool),) or not np.isfinite(rho).all():
             raise ValueError(f"pinned rho: {rho.shape} values (finite?) for a pool of {len(pool)} responses")
-        pins["prior"]["rho"] = "pinned"
+        pins["prior"]["rho"] = rho_source
     final = Path(out)
     with staging(final) as tmp:
         bi_model = _place_model(bi, "bi", tmp / "bi", str(torch_device))

@@ -73,6 +73,7 @@ PINNED_FOR = {
 PINNED_RHO = Path(coreply.__file__).parent / "weights" / "default-prior.npy"
 """The prior's rho per response (float32 [124,141]) as recipe 15's build measured it on 2026-12-01."""
 PINNED_RHO_SHA256 = "d9dfd1a423b334a4840045b2c46934c23c5e5d33eb6b91ec70c84033ebaa14f7"
+RHO_SOURCE = "recipe 15's build, 2026-12-01, 2-vCPU AMD EPYC VM (docs/results.md §56-§57)"
 PINNED_POOL = "28c733eaef7f87f6be4e5a6525b755063d906d5c51f38b66a5fc506452cca657"
 """The :func:`pool_digest` of the texts :data:`PINNED_RHO` was measured for (the corpus's responses)."""
 PINNED: dict[str, Any] = {
@@ -188,6 +189,7 @@ def build_default_bundle(out: str | Path, progress: bool = True, calibrate: bool
         lexical_pairs=splits["valid"][: lexical.PAIRS],
         pinned=pinned,
         rho=pinned_rho(texts) if pinned else None,
+        rho_source=RHO_SOURCE,
     )
 
 

@@ -125,7 +125,8 @@ def describe(path: str | Path) -> list[tuple[str, str]]:
     ]
     pinned = {entry["pinned"] for entry in (m.get(name) or {} for name in CALIBRATED) if "pinned" in entry}
     if pinned:  # these choices were made by another build (index_builder.build.pins_of)
-        lines.append(("choices", "pinned from " + "; ".join(sorted(pinned))))
+        rho = f"; the prior's values from {prior['rho']}" if (prior or {}).get("rho") else ""
+        lines.append(("choices", "pinned from " + "; ".join(sorted(pinned)) + rho))
     if build.get("command"):
         lines.append(("built by", build["command"]))
     return lines

@@ -1066,13 +1066,19 @@ def test_a_build_with_pinned_choices_is_the_calibrated_build_without_calibrating
     monkeypatch.setattr(prior, "neighbourhood", no_calibration)
     rho = np.load(tmp_path / "ref" / PRIOR)
     no_reference = options | {"prior_pairs": ()}
-    given = build_bundle(tmp_path / "rho", toy_pool(), **models, **no_reference, pinned=pins, rho=rho)
-    assert given["prior"] == pinned["prior"] | {"rho": "pinned"}
+    source = {"rho": rho, "rho_source": "the reference build's"}
+    given = build_bundle(tmp_path / "rho", toy_pool(), **models, **no_reference, pinned=pins, **source)
+    assert given["prior"] == pinned["prior"] | {"rho": "the reference build's"}
     assert given["files"] == calibrated["files"]
     assert pins_of(given, "the reference build") == pins
+    choices = "pinned from the reference build; the prior's values from the reference build's"
+    assert dict(describe(tmp_path / "rho"))["choices"] == choices
     without_prior = {name: entry for name, entry in pins.items() if name != "prior"}
     with pytest.raises(ValueError, match="pinned rho needs the prior's pinned entry"):
-        build_bundle(tmp_path / "x", toy_pool(), **models, **options, pinned=without_prior, rho=rho)
+        build_bundle(tmp_path / "x", toy_pool(), **models, **options, pinned=without_prior, **source)
+    with pytest.raises(ValueError, match="and a rho_source"):
+        build_bundle(tmp_path / "x", toy_pool(), **models, **options, pinned=pins, rho=rho)
+    short = source | {"rho": rho[:3]}
     with pytest.raises(ValueError, match=rf"pinned rho: \(3,\) values \(finite\?\) for a pool of {len(rho)}"):
-        build_bundle(tmp_path / "x", toy_pool(), **models, **options, pinned=pins, rho=rho[:3])
+        build_bundle(tmp_path / "x", toy_pool(), **models, **options, pinned=pins, **short)
     assert not (tmp_path / "x").exists()
