@@ -210,10 +210,11 @@ RUNS=(
   # residual-core started from that reranker: step 0 was their sum, the best two-stage answer measured
   # then (+0.3 hits@1 on the test's full pool, p = 0.17; results.md 26), and it did not move the test
   # (results.md 29). The run is done and left the queue, and that reranker left the tree to leave a call
-  # room (git checkout 3c92ee2 -- coreply/weights/core-cross-r32; its flags: --init-cross with it
-  # and --cross-residual, as residual's). residual starts as the retriever (a correction of 0). Each is kept only once its sum beats its start
-  # over the validation pool, which may take a while: the whole epoch runs (patience 8). Random negatives:
-  # a residual reranker's gradient comes only from the lists its retriever gets wrong, and with 4 of its
+  # room (git checkout 3c92ee2 -- coreply/weights/core-cross-r32; its flags: --init-cross with it and
+  # --cross-residual, as residual's). residual starts as the retriever (a correction of 0). Each is kept
+  # only once its sum beats its start over the validation pool, which may take a while: the whole epoch
+  # runs (patience 8). Random negatives: a residual reranker's gradient comes only from the lists its
+  # retriever gets wrong, and with 4 of its
   # negatives mined near the last turn (RESTATE: 97 % of them not restatements but topical replies, which
   # the retriever puts first in 76 % of lists) or near the context, it learned to pull the sum below the
   # retriever on the CPU (docs/results.md 27, 28); residual-hard is the mined mix.
