@@ -2,8 +2,9 @@
 sha256 of every other file, written atomically and verified on load.
 
 Writing: build the directory inside :func:`staging` (a temporary sibling, removed if anything fails),
-then :func:`seal` it (hash the files, write the JSON atomically, rename the directory into place).
-Reading: :func:`read_sealed` parses the JSON, checks its format and, by default, every file's hash.
+then :func:`seal` it (hash the files, then them and the JSON's fields into a version, write the JSON
+atomically, rename the directory into place). Reading: :func:`read_sealed` parses the JSON, checks its
+format and, by default, every file's hash and the version. :class:`Sealing` describes one kind.
 Changing one in place (read, then write a new version over it): inside :func:`exclusive` (or a function
 marked with :func:`changes`), so that two writers cannot each write over the other's change.
 """
@@ -19,6 +20,7 @@ import shutil
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -33,9 +35,9 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def content_hash(files: dict[str, str]) -> str:
-    """One hash over a directory's {relative path: sha256}."""
-    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+def content_hash(data: Any) -> str:
+    """One hash over JSON data: a directory's {relative path: sha256}, and the fields beside it."""
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
 def hash_tree(root: Path, meta: str) -> dict[str, str]:
@@ -154,46 +156,76 @@ def link_or_copy(src: Path, dst: Path) -> None:
         shutil.copy2(src, dst)
 
 
-def seal(
-    tmp: Path, final: Path, meta_name: str, meta: dict[str, Any], stamp: Callable[[str], dict[str, Any]]
-) -> dict[str, Any]:
-    """Record every file's sha256 under ``files`` in ``meta``, add ``stamp(content hash)`` (the format's
-    own version fields), write it as ``tmp/meta_name`` and move ``tmp`` to ``final``. Returns the meta."""
-    files = hash_tree(tmp, meta_name)
-    meta = {**meta, "files": files, **stamp(content_hash(files))}
-    write_json_atomic(tmp / meta_name, meta)
+@dataclass(frozen=True)
+class Sealing:
+    """How one kind of artifact is sealed: its JSON file, its format, where its version goes, what a
+    failure raises. The version is the sha256 of the files and of every other field of the JSON but the
+    ``provenance`` ones (dotted paths: when and where it was made, which never change what it does), so
+    a change to a model's config or a bundle's choices is a new version and a hand edit is refused.
+    ``legacy``, a format read still, hashed the files alone."""
+
+    meta_name: str  # e.g. manifest.json
+    format: str  # e.g. coreply-bundle/2
+    version: str  # the field that holds the version
+    error: type[Exception]
+    missing: str  # what ``root`` is not when it has no ``meta_name``
+    digits: int = 64  # of the hash kept in ``version``
+    provenance: tuple[str, ...] = ()
+    legacy: str | None = None
+
+    def version_of(self, meta: dict[str, Any], files: dict[str, str]) -> str:
+        """The version ``meta`` (as parsed from its JSON) records for ``files``."""
+        if meta.get("format") == self.legacy:
+            return content_hash(files)[: self.digits]
+        fields = {k: v for k, v in meta.items() if k not in ("files", self.version)}
+        for path in self.provenance:
+            fields = _without(fields, path.split("."))
+        return content_hash({"files": files, "fields": fields})[: self.digits]
+
+
+def _without(data: Any, path: list[str]) -> Any:
+    """``data`` without the field at ``path``, if it has one (a copy along the path only)."""
+    head, *rest = path
+    if not isinstance(data, dict) or head not in data:
+        return data
+    if not rest:
+        return {k: v for k, v in data.items() if k != head}
+    return {**data, head: _without(data[head], rest)}
+
+
+def seal(tmp: Path, final: Path, sealing: Sealing, meta: dict[str, Any]) -> dict[str, Any]:
+    """Record every file's sha256 under ``files`` in ``meta`` and its version (:class:`Sealing`), write
+    it as ``tmp/meta_name`` in ``sealing.format`` and move ``tmp`` to ``final``. Returns the meta."""
+    files = hash_tree(tmp, sealing.meta_name)
+    meta = json.loads(dumps({**meta, "format": sealing.format, "files": files}))  # as a reader parses it
+    meta[sealing.version] = sealing.version_of(meta, files)
+    write_json_atomic(tmp / sealing.meta_name, meta)
     replace_dir(tmp, final)
     return meta
 
 
-def read_sealed(
-    root: Path,
-    meta_name: str,
-    fmt: str,
-    error: type[Exception],
-    stamp: Callable[[str], dict[str, Any]],
-    missing: str,
-    verify: bool = True,
-) -> dict[str, Any]:
-    """Read ``root/meta_name``; it must be a JSON object of format ``fmt``. With ``verify``, the files
-    under ``root`` must be exactly those recorded and the version fields equal ``stamp(content hash)``.
-    Any failure raises ``error`` naming the file; ``missing`` says what ``root`` is not when the JSON
-    is absent."""
-    path = root / meta_name
+def read_sealed(root: Path, sealing: Sealing, verify: bool = True) -> dict[str, Any]:
+    """Read ``root/meta_name``; it must be a JSON object of the sealing's format (or its legacy one).
+    With ``verify``, the files under ``root`` must be exactly those recorded and the version what they
+    and the fields give. Any failure raises ``sealing.error`` naming the file."""
+    path = root / sealing.meta_name
     if not path.is_file():
-        raise error(f"{root}: {missing}")
+        raise sealing.error(f"{root}: {sealing.missing}")
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise error(f"{path}: not valid UTF-8 JSON ({exc}); rebuild it or restore a copy") from exc
-    if not isinstance(meta, dict) or meta.get("format") != fmt:
+        raise sealing.error(f"{path}: not valid UTF-8 JSON ({exc}); rebuild it or restore a copy") from exc
+    known = (sealing.format, sealing.legacy or sealing.format)
+    if not isinstance(meta, dict) or meta.get("format") not in known:
         found = meta.get("format") if isinstance(meta, dict) else None
-        raise error(f"{path}: unsupported format {found!r}, expected {fmt!r}")
+        raise sealing.error(f"{path}: unsupported format {found!r}, expected {sealing.format!r}")
     if verify:
         recorded = meta.get("files", {})
-        if problem := file_mismatch(root, recorded, meta_name):
-            raise error(problem)
-        for field, value in stamp(content_hash(recorded)).items():
-            if meta.get(field) != value:
-                raise error(f"{path}: {field} does not match the file hashes")
+        if problem := file_mismatch(root, recorded, sealing.meta_name):
+            raise sealing.error(problem)
+        if meta.get(sealing.version) != sealing.version_of(meta, recorded):
+            raise sealing.error(
+                f"{path}: {sealing.version} does not match the files and fields it records (edited by "
+                "hand?); rebuild it or restore a copy"
+            )
     return meta

@@ -2,7 +2,8 @@
 
 Layout::
 
-    manifest.json     format, version, model hashes, index facts, build stats, sha256 of every file
+    manifest.json     format, version, model hashes, index facts, build stats, sha256 of every file;
+                      the version hashes the files and every other field (the choices a build made)
     bi/               bi-encoder checkpoint (context tower for queries, response tower for ``add``)
     cross/            cross-encoder checkpoint (absent for a retrieval-only bundle)
     onnx/             ONNX exports of both (fp32 or int8; absent when built with ``--onnx none``)
@@ -43,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from coreply.artifacts import read_sealed, seal
+from coreply.artifacts import Sealing, read_sealed, seal
 from coreply.checkpoint_meta import CheckpointError, read_meta
 from coreply.lexical import BM25
 from coreply.lexical import Stage as LexicalStage
@@ -54,7 +55,7 @@ from coreply.text import normalize
 if TYPE_CHECKING:  # the ranking stages import torch: loaded where a bundle is served, not to read one
     from coreply.ranking import Hits, Pipeline
 
-FORMAT = "coreply-bundle/1"
+FORMAT = "coreply-bundle/2"
 MANIFEST = "manifest.json"
 INDEX = "index.faiss"
 RESPONSES = "responses.jsonl"
@@ -123,19 +124,26 @@ def read_tokens(root: Path, count: int) -> tuple[np.ndarray, np.ndarray] | None:
     return ids, offsets
 
 
+SEALING = Sealing(
+    MANIFEST,
+    FORMAT,
+    "bundle_version",
+    BundleError,
+    f"not a coreply bundle (no {MANIFEST}); build one with `coreply index`",
+    digits=16,
+    provenance=("build", "models.bi.source", "models.cross.source"),  # when, where, from which path
+    legacy="coreply-bundle/1",  # its version hashed the files alone, not the choices
+)
+
+
 def finish(tmp: Path, final: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     """Seal a bundle being written in ``tmp`` (file hashes, version, manifest) and move it to ``final``."""
-    return seal(tmp, final, MANIFEST, {**manifest, "format": FORMAT}, _stamp)
-
-
-def _stamp(digest: str) -> dict[str, str]:
-    return {"bundle_version": digest[:16]}
+    return seal(tmp, final, SEALING, manifest)
 
 
 def read_manifest(root: Path, verify: bool = True) -> dict[str, Any]:
-    """Read ``manifest.json`` and, by default, check every file's sha256 against it."""
-    missing = f"not a coreply bundle (no {MANIFEST}); build one with `coreply index`"
-    return read_sealed(root, MANIFEST, FORMAT, BundleError, _stamp, missing, verify)
+    """Read ``manifest.json`` and, by default, check every file's sha256 and the version against it."""
+    return read_sealed(root, SEALING, verify)
 
 
 @dataclass

@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 
 from coreply.adapters import add_lora, lora_settings, merge_lora, trainable_state
 from coreply.artifacts import seal, sha256_file, staging
-from coreply.checkpoint_meta import ADAPTER, FORMAT, META, WEIGHTS, CheckpointError, read_meta, stamp
+from coreply.checkpoint_meta import ADAPTER, META, SEALING, WEIGHTS, CheckpointError, read_meta
 from coreply.config import ZERO_SHOT, ModelConfig
 from coreply.models import BiEncoder, CrossEncoder, resolve_base_model, retriever_class
 from coreply.tokenization import DialogueTokenizer
@@ -78,7 +78,6 @@ def save_checkpoint(
             adapter["base_sha256"] = sha256_file(base)
             adapter["base_fp16_sha256"] = fp16_fingerprint(base)
         meta = {
-            "format": FORMAT,
             "kind": model.kind,
             "model_config": model.config.to_dict(),
             "backbone_config": model.backbone_config(),
@@ -86,7 +85,7 @@ def save_checkpoint(
         }
         if adapter is not None:
             meta["adapter"] = adapter
-        return seal(tmp, final, META, meta, stamp)["content_hash"]
+        return seal(tmp, final, SEALING, meta)["content_hash"]
 
 
 def base_weights(config: ModelConfig) -> Path:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import subprocess
@@ -18,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny import write_tiny_model
 
+from coreply.artifacts import Sealing, hash_tree, write_json_atomic
 from coreply.config import ModelConfig
 from coreply.corpus import Pair
 
@@ -69,6 +71,17 @@ def tiny_core(tmp_path_factory, tiny_model_dir, toy_pairs) -> Path:
     out = tmp_path_factory.mktemp("tiny-core") / "run"
     train_toy(out, ModelConfig(base_model=str(tiny_model_dir), dropout=0.0), toy_pairs)
     return out
+
+
+def reseal(root: Path, sealing: Sealing, edit: Callable[[dict], None] = lambda meta: None) -> None:
+    """Change a sealed artifact's JSON in place with ``edit`` and record its files and version anew, as
+    a tool that knows the format would: what is left to catch is what the hashes cannot see."""
+    path = root / sealing.meta_name
+    meta = json.loads(path.read_text())
+    edit(meta)
+    meta["files"] = hash_tree(root, sealing.meta_name)
+    meta[sealing.version] = sealing.version_of(meta, meta["files"])
+    write_json_atomic(path, meta)
 
 
 def toy_pool() -> list[str]:

@@ -4,10 +4,12 @@ import json
 
 import pytest
 import torch
+from conftest import reseal
 from tiny import write_tiny_model
 
 from coreply.adapters import add_lora, lora_settings, merge_lora, trainable_state
 from coreply.checkpoint import CheckpointError, load_checkpoint, load_dialogue_tokenizer, save_checkpoint
+from coreply.checkpoint_meta import SEALING
 from coreply.config import ModelConfig
 from coreply.models import BiEncoder, CrossEncoder
 from training.config import TrainConfig
@@ -61,10 +63,7 @@ def test_adapter_checkpoint_is_compact_and_loads_as_the_merged_model(tmp_path, t
 def test_adapter_checkpoint_refuses_a_different_base_model(tmp_path, tiny_model_dir):
     save_checkpoint(perturbed_bi(tiny_model_dir), tmp_path / "bi")
     other = write_tiny_model(tmp_path / "other-base", seed=1)
-    meta_path = tmp_path / "bi" / "checkpoint.json"
-    meta = json.loads(meta_path.read_text())
-    meta["model_config"]["base_model"] = str(other)
-    meta_path.write_text(json.dumps(meta))
+    reseal(tmp_path / "bi", SEALING, lambda meta: meta["model_config"].update(base_model=str(other)))
     with pytest.raises(CheckpointError, match=r"different .* base model"):
         load_checkpoint(tmp_path / "bi")
 
@@ -130,10 +129,7 @@ def test_adapters_load_on_a_base_carried_in_fp16_but_not_on_a_changed_one(tmp_pa
         assert (base / "model.safetensors").read_bytes() != (
             tiny_model_dir / "model.safetensors"
         ).read_bytes()
-        meta_path = tmp_path / "bi" / "checkpoint.json"
-        meta = json.loads(meta_path.read_text())
-        meta["model_config"]["base_model"] = str(base)
-        meta_path.write_text(json.dumps(meta))
+        reseal(tmp_path / "bi", SEALING, lambda meta, b=base: meta["model_config"].update(base_model=str(b)))
         if change:
             with pytest.raises(CheckpointError, match=r"different .* base model"):
                 load_checkpoint(tmp_path / "bi")

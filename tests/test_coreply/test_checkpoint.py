@@ -76,6 +76,10 @@ def test_corrupted_missing_or_extra_files_are_refused(tmp_path, tiny_model_dir):
         load_checkpoint(root)
     save_checkpoint(model, root)
     meta = json.loads((root / "checkpoint.json").read_text())
+    meta["model_config"]["max_turns"] = 1  # reads contexts differently, every weight the same
+    (root / "checkpoint.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=r"content_hash does not match the files and fields"):
+        load_checkpoint(root)
     meta["format"] = "something-else"
     (root / "checkpoint.json").write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match="unsupported format"):

@@ -6,7 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from coreply.bundle import load_bundle
+from conftest import reseal
+
+from coreply.bundle import SEALING, load_bundle
 
 ROOT = Path(__file__).parents[2]
 
@@ -93,9 +95,7 @@ def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):
     other.write_text(json.dumps({"top1_cases": {}, "meta": {"split": "valid", "pairs": 2000}}))
     retrieval_only = tmp_path / "retrieval-only"  # the tiny bundle as if built without a reranker
     shutil.copytree(tiny_bundle, retrieval_only)
-    manifest = json.loads((retrieval_only / "manifest.json").read_text())
-    manifest["models"]["cross"] = None
-    (retrieval_only / "manifest.json").write_text(json.dumps(manifest))
+    reseal(retrieval_only, SEALING, lambda manifest: manifest["models"].update(cross=None))
     for script, args, flag in (
         ("bench.py", ["--bundle", str(tmp_path), "--out", str(other)], "--bundle: "),
         ("bench.py", ["--bundle", str(retrieval_only), "--out", str(other)], "--fusion rerank: "),

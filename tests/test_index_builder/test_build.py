@@ -8,14 +8,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import toy_pool
+from conftest import reseal, toy_pool
 from tiny import WORDS
 
-from coreply.artifacts import Busy, content_hash, exclusive, hash_tree, write_json_atomic
+from coreply.artifacts import Busy, Sealing, content_hash, exclusive, hash_tree, write_json_atomic
 from coreply.bundle import (
     BF16_PASS,
     FP16_PASS,
     MANIFEST,
+    SEALING,
     BundleError,
     TorchExactIndex,
     finish,
@@ -24,6 +25,7 @@ from coreply.bundle import (
     pipeline,
     search_on,
 )
+from coreply.checkpoint_meta import SEALING as CHECKPOINT
 from coreply.inference import ONNX_FILES, _session
 from coreply.text import normalize
 from index_builder.build import add_responses, build_bundle
@@ -198,6 +200,9 @@ def test_manifest_disagreeing_with_contents_is_refused(copy):
     manifest = json.loads((copy / MANIFEST).read_text())
     manifest["index"]["count"] += 1
     write_json_atomic(copy / MANIFEST, manifest)
+    with pytest.raises(BundleError, match="bundle_version does not match the files and fields"):
+        load_bundle(copy)  # a hand edit
+    reseal(copy, SEALING)  # by a tool that seals what it writes
     with pytest.raises(BundleError, match="index holds 13 vectors, manifest says 14"):
         load_bundle(copy)
     (copy / MANIFEST).write_text("{not json")
@@ -208,15 +213,63 @@ def test_manifest_disagreeing_with_contents_is_refused(copy):
         load_bundle(copy)
 
 
+def test_the_version_covers_the_choices_and_not_where_or_when_it_was_built(tmp_path, tiny_core):
+    """Two bundles whose files are the same but whose choices differ answer differently: their versions
+    differ, and a choice edited by hand is refused. The same build made elsewhere and later, from a copy
+    of the weights, is the same version."""
+    shutil.copytree(tiny_core / "bi", tmp_path / "elsewhere")
+    sources = {"a": (tiny_core / "bi", 0.5), "b": (tmp_path / "elsewhere", 0.5), "c": (tiny_core / "bi", 0.7)}
+    a, b, c = (
+        build_bundle(
+            tmp_path / name,
+            toy_pool(),
+            bi=str(bi),
+            onnx="none",
+            lexical_weight=w,
+            command=name,
+            progress=False,
+        )
+        for name, (bi, w) in sources.items()
+    )
+    assert a["files"] == b["files"] == c["files"] and a["build"] != b["build"]
+    assert a["bundle_version"] == b["bundle_version"] != c["bundle_version"]
+    manifest = json.loads((tmp_path / "c" / MANIFEST).read_text())
+    manifest["lexical"]["weight"] = 0.5
+    write_json_atomic(tmp_path / "c" / MANIFEST, manifest)
+    with pytest.raises(BundleError, match="bundle_version does not match"):
+        load_bundle(tmp_path / "c")
+
+
+def first_format(root: Path, sealing: Sealing, edit=lambda meta: None) -> str:
+    """Seal ``root`` again as its format's first version did (the version of the files alone)."""
+    meta = json.loads((root / sealing.meta_name).read_text())
+    edit(meta)
+    meta["format"] = sealing.legacy
+    meta["files"] = hash_tree(root, sealing.meta_name)
+    meta[sealing.version] = content_hash(meta["files"])[: sealing.digits]
+    write_json_atomic(root / sealing.meta_name, meta)
+    return meta[sealing.version]
+
+
+def test_a_bundle_of_the_first_format_is_read_with_its_files_alone_hashed(copy):
+    """A bundle and checkpoints sealed before the version covered the fields still load, their files
+    still checked; the first write to the bundle (here a withdrawal) seals it in the current format."""
+    hashes = {kind: first_format(copy / kind, CHECKPOINT) for kind in ("bi", "cross")}
+    first_format(copy, SEALING, lambda m: [m["models"][k].update(content_hash=h) for k, h in hashes.items()])
+    old = load_bundle(copy)
+    assert old.manifest["format"] == "coreply-bundle/1" and old.has_cross
+    assert withdraw(copy, [0])[0]["format"] == "coreply-bundle/2"
+    assert load_bundle(copy).withdrawn == {0}
+    (copy / "bi" / "model.safetensors").write_bytes(b"x")
+    with pytest.raises(BundleError, match=r"model\.safetensors: corrupted"):
+        load_bundle(copy)
+
+
 def test_swapped_model_is_refused(copy, tiny_core):
     """A bi-encoder other than the one that encoded the index, even with consistent file hashes."""
     shutil.rmtree(copy / "bi")
     shutil.copytree(tiny_core / "cross", copy / "bi")  # a valid checkpoint, but not the indexing model
-    manifest = json.loads((copy / MANIFEST).read_text())
-    manifest["files"] = hash_tree(copy, MANIFEST)
-
-    manifest["bundle_version"] = content_hash(manifest["files"])[:16]
-    write_json_atomic(copy / MANIFEST, manifest)
+    reseal(copy, SEALING)
     with pytest.raises(BundleError, match="not the one the index was built with"):
         load_bundle(copy)
 
@@ -371,10 +424,7 @@ def test_withdrawals_past_the_cap_or_out_of_range_are_refused(tmp_path, tiny_bun
     withdraw(path, [0, 1])
     # a list the manifest's hashes agree with but that names a row the pool does not hold
     (path / "withdrawn.json").write_text(json.dumps({"ids": [0, 99]}))
-    manifest = json.loads((path / MANIFEST).read_text())
-    manifest["files"] = hash_tree(path, MANIFEST)
-    manifest["bundle_version"] = content_hash(manifest["files"])[:16]
-    write_json_atomic(path / MANIFEST, manifest)
+    reseal(path, SEALING)
     with pytest.raises(BundleError, match=r"withdrawn\.json must hold .* distinct ids below 13"):
         load_bundle(path)
 
