@@ -214,10 +214,10 @@ RUNS=(
   # --cross-residual, as residual's). residual starts as the retriever (a correction of 0). Each is kept
   # only once its sum beats its start over the validation pool, which may take a while: the whole epoch
   # runs (patience 8). Random negatives: a residual reranker's gradient comes only from the lists its
-  # retriever gets wrong, and with 4 of its
-  # negatives mined near the last turn (RESTATE: 97 % of them not restatements but topical replies, which
-  # the retriever puts first in 76 % of lists) or near the context, it learned to pull the sum below the
-  # retriever on the CPU (docs/results.md 27, 28); residual-hard is the mined mix.
+  # retriever gets wrong, and with 4 of its negatives mined near the last turn (RESTATE: 97 % of them
+  # not restatements but topical replies, which the retriever puts first in 76 % of lists) or near the
+  # context, it learned to pull the sum below the retriever on the CPU (docs/results.md 27, 28);
+  # residual-hard is the mined mix.
   "residual|--mode independent --models cross --init-bi coreply/weights/default-bi --cross-residual --patience 8"
   "residual-hard|--mode independent --models cross --init-bi coreply/weights/default-bi --cross-residual ${RESTATE[*]} --hard-negatives 4 --patience 8"
   # the same at the size a CPU default can afford (2 layers x 64 tokens: docs/performance.md §5), a

@@ -73,15 +73,17 @@ def tiny_core(tmp_path_factory, tiny_model_dir, toy_pairs) -> Path:
     return out
 
 
-def reseal(root: Path, sealing: Sealing, edit: Callable[[dict], None] = lambda meta: None) -> None:
-    """Change a sealed artifact's JSON in place with ``edit`` and record its files and version anew, as
-    a tool that knows the format would: what is left to catch is what the hashes cannot see."""
+def reseal(root: Path, sealing: Sealing, edit: Callable[[dict], None] = lambda meta: None) -> str:
+    """Change a sealed artifact's JSON in place with ``edit`` and record its files and version anew (in
+    the format ``edit`` leaves), as a tool that knows the format would: what is left to catch is what
+    the hashes cannot see. Returns the version."""
     path = root / sealing.meta_name
     meta = json.loads(path.read_text())
     edit(meta)
     meta["files"] = hash_tree(root, sealing.meta_name)
     meta[sealing.version] = sealing.version_of(meta, meta["files"])
     write_json_atomic(path, meta)
+    return meta[sealing.version]
 
 
 def toy_pool() -> list[str]:

@@ -26,6 +26,7 @@ from coreply.bundle import (
     search_on,
 )
 from coreply.checkpoint_meta import SEALING as CHECKPOINT
+from coreply.checkpoint_meta import read_meta
 from coreply.inference import ONNX_FILES, _session
 from coreply.text import normalize
 from index_builder.build import add_responses, build_bundle
@@ -240,24 +241,26 @@ def test_the_version_covers_the_choices_and_not_where_or_when_it_was_built(tmp_p
         load_bundle(tmp_path / "c")
 
 
-def first_format(root: Path, sealing: Sealing, edit=lambda meta: None) -> str:
-    """Seal ``root`` again as its format's first version did (the version of the files alone)."""
-    meta = json.loads((root / sealing.meta_name).read_text())
-    edit(meta)
-    meta["format"] = sealing.legacy
-    meta["files"] = hash_tree(root, sealing.meta_name)
-    meta[sealing.version] = content_hash(meta["files"])[: sealing.digits]
-    write_json_atomic(root / sealing.meta_name, meta)
-    return meta[sealing.version]
+def first_format(sealing: Sealing):
+    """An edit for :func:`reseal` that seals as the format's first version did (the files alone)."""
+    return lambda meta: meta.update(format=sealing.legacy)
 
 
 def test_a_bundle_of_the_first_format_is_read_with_its_files_alone_hashed(copy):
     """A bundle and checkpoints sealed before the version covered the fields still load, their files
     still checked; the first write to the bundle (here a withdrawal) seals it in the current format."""
-    hashes = {kind: first_format(copy / kind, CHECKPOINT) for kind in ("bi", "cross")}
-    first_format(copy, SEALING, lambda m: [m["models"][k].update(content_hash=h) for k, h in hashes.items()])
+    hashes = {kind: reseal(copy / kind, CHECKPOINT, first_format(CHECKPOINT)) for kind in ("bi", "cross")}
+
+    def tie_models(manifest: dict) -> None:
+        first_format(SEALING)(manifest)
+        for kind, digest in hashes.items():
+            manifest["models"][kind]["content_hash"] = digest
+
+    reseal(copy, SEALING, tie_models)
     old = load_bundle(copy)
     assert old.manifest["format"] == "coreply-bundle/1" and old.has_cross
+    assert old.version == content_hash(old.manifest["files"])[:16]  # as format 1's writer hashed it
+    assert hashes["bi"] == content_hash(read_meta(copy / "bi")["files"])
     assert withdraw(copy, [0])[0]["format"] == "coreply-bundle/2"
     assert load_bundle(copy).withdrawn == {0}
     (copy / "bi" / "model.safetensors").write_bytes(b"x")
