@@ -66,7 +66,10 @@ class Metrics:
             registry=r,
         )
         self.reloads = Counter(
-            "coreply_reloads", "Bundle reloads (SIGHUP) by result: ok or failed", ["result"], registry=r
+            "coreply_reloads",
+            "Bundle reloads (SIGHUP) by result: ok, unchanged or failed",
+            ["result"],
+            registry=r,
         )
         for stage in STAGES:  # expose every series from the start
             self.stage.labels(stage)

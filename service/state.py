@@ -4,7 +4,8 @@ An engine must answer a golden query with finite scores before it serves, at sta
 A reload loads the configured bundle (e.g. a ``current`` symlink moved to a new version) beside the
 live one, verifies and warms it, then swaps it in; requests already running finish on the old one. On
 any failure the old bundle keeps serving, and ``coreply_reloads_total{result="failed"}`` and the log
-say why."""
+say why. A bundle of the live one's version (which covers its files and choices) is verified and left
+as it is: ``result="unchanged"``."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from fastapi.exceptions import RequestValidationError
 
+from coreply.bundle import read_manifest
 from coreply.device import on_own_thread
 from coreply.ranking import Query
 from service.engine import Engine, Job
@@ -110,11 +113,20 @@ class ServiceState:
         self.metrics.ready.set(0)
 
     async def reload(self) -> bool:
-        """Swap in the configured bundle if it loads, verifies and warms; else keep the live one."""
+        """Swap in the configured bundle if it loads, verifies and warms; else keep the live one. True
+        when the configured bundle is served afterwards (swapped in, or already the live one)."""
         async with self._reloading:
             old = self.engine
             assert old is not None
+            loop = asyncio.get_running_loop()
             try:
+                if await loop.run_in_executor(None, is_version, self.settings.bundle, old.bundle.version):
+                    self.metrics.reloads.labels("unchanged").inc()
+                    LOG.info(
+                        "reload: the bundle is the one serving",
+                        extra={"fields": {"serving": old.bundle.version}},
+                    )
+                    return True
                 new = await self._open()
             except Exception as exc:
                 self.metrics.reloads.labels("failed").inc()
@@ -132,3 +144,12 @@ class ServiceState:
         """The request's deadline (``time.perf_counter()``) from its header or the default; None = none."""
         budget_ms = timeout_ms or self.settings.request_timeout_ms
         return time.perf_counter() + budget_ms / 1000 if budget_ms else None
+
+
+def is_version(root: Path, version: str) -> bool:
+    """Whether the bundle at ``root`` is ``version``, its files verified (a BundleError if they are not):
+    its manifest is read first without hashing, so a new version costs no second pass over its files."""
+    if read_manifest(root, verify=False)["bundle_version"] != version:
+        return False
+    read_manifest(root)
+    return True

@@ -656,7 +656,9 @@ def test_deadline_header_gives_504_while_queued_and_is_validated(tiny_bundle):
         assert relaxed.status_code == 200
 
 
-def test_hot_reload_swaps_a_valid_bundle_and_keeps_serving_through_a_corrupt_one(tiny_bundle, tmp_path):
+def test_hot_reload_swaps_a_valid_bundle_keeps_the_same_one_and_serves_through_a_corrupt_one(
+    tiny_bundle, tmp_path
+):
     import shutil
 
     from index_builder.build import add_responses
@@ -688,7 +690,9 @@ def test_hot_reload_swaps_a_valid_bundle_and_keeps_serving_through_a_corrupt_one
         point_to(v2)
         assert c.portal.call(app.reload) is True
         second = c.get("/readyz").json()["bundle_version"]
-        point_to(v3)
+        serving = app.state.engine
+        assert c.portal.call(app.reload) is True and app.state.engine is serving  # the same version: kept
+        point_to(v3)  # v2's version, one file tampered with: refused, not taken for the live one
         assert c.portal.call(app.reload) is False  # refused: the live bundle stays
         assert c.get("/readyz").json()["bundle_version"] == second != first
         stop.set()
@@ -698,6 +702,7 @@ def test_hot_reload_swaps_a_valid_bundle_and_keeps_serving_through_a_corrupt_one
     assert codes and set(codes) == {200}
     assert 'coreply_reloads_total{result="ok"} 1.0' in metrics
     assert 'coreply_reloads_total{result="failed"} 1.0' in metrics
+    assert 'coreply_reloads_total{result="unchanged"} 1.0' in metrics
     assert f'coreply_bundle_info{{version="{second}"}} 1.0' in metrics and first not in metrics
 
 
