@@ -1,15 +1,17 @@
 """Latency and throughput of coreply's /respond against a naive in-process peer, side by side.
 
 coreply runs as the real server (``coreply serve`` under uvicorn, a subprocess) and is called over
-HTTP at concurrency 1 / 4 / 16; the peer is the pipeline a team would hand-roll from
-sentence-transformers on the same weights: ``SentenceTransformer.encode`` (the turns joined) -> FAISS
-exact search over the bundle's index -> the cross-encoder in PyTorch fp32, one batch per request.
+HTTP at concurrency 1 / 4 / 16; the peer is the pipeline a team would hand-roll on the same weights:
+the context encoded in PyTorch fp32 (``SentenceTransformer.encode`` of the turns joined for a zero-shot
+retriever, else the bundle's trained one through its own model) -> FAISS exact search over the bundle's
+index -> the cross-encoder in PyTorch fp32, one batch per request.
 The two alternate in blocks within one invocation so that machine noise hits both alike.
 
     python bench/bench.py --bundle artifacts/bench-bundle --out docs/perf-cpu.json
 
-Quality parity: on the same requests, the fraction whose top-1 is the same for both (coreply runs
-int8 ONNX, the peer fp32 PyTorch) is reported beside the timings.
+Quality beside the timings: each side's hits@1 on the same requests (its top answer the test reply), a
+one-sided paired bootstrap p that coreply's is not higher, and the fraction of requests whose top-1 is
+the same for both (coreply runs int8 ONNX and its own stages, the peer fp32 PyTorch and none).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from coreply.text import normalize
+from evaluation.metrics import paired_bootstrap
 
 if TYPE_CHECKING:
     from coreply.responder import Responder
@@ -218,7 +221,7 @@ async def load(
 
 
 class Peer:
-    """The naive pipeline: sentence-transformers encode -> FAISS -> cross-encoder fp32, per request."""
+    """The naive pipeline: encode in PyTorch fp32 -> FAISS -> cross-encoder fp32, per request."""
 
     def __init__(self, bundle_dir: str, cross_dir: str | None = None) -> None:
         import torch
@@ -229,19 +232,23 @@ class Peer:
         from coreply.models import resolve_base_model
 
         bundle = load_bundle(bundle_dir)
-        if bundle.manifest["models"]["bi"]["source"] != "zero-shot":
-            raise SystemExit(
-                "the peer is all-MiniLM-L6-v2 in sentence-transformers: build with --bi zero-shot"
-            )
         self.bundle = bundle
         device = "cuda" if torch.cuda.is_available() else "cpu"  # where a team would run it
-        self.encoder = SentenceTransformer(str(resolve_base_model("default")), device=device)
+        if bundle.manifest["models"]["bi"]["source"] == "zero-shot":  # all-MiniLM-L6-v2 as published
+            encoder = SentenceTransformer(str(resolve_base_model("default")), device=device)
+            self.encode = lambda c: encoder.encode(
+                [" ".join(c)], convert_to_numpy=True, normalize_embeddings=True
+            )
+        else:  # trained weights: their own model, as the training code runs it
+            bi = load_checkpoint(bundle.model_dir("bi"), device, expect="bi")
+            self.encode = lambda c: bi.embed_contexts([c]).numpy()
         self.cross = load_checkpoint(cross_dir or bundle.model_dir("cross"), device, expect="cross")
         self.torch = torch
 
     def __call__(self, context: list[str], n_r: int) -> tuple[int, dict[str, float]]:
         t0 = time.perf_counter()
-        query = self.encoder.encode([" ".join(context)], convert_to_numpy=True, normalize_embeddings=True)
+        with self.torch.inference_mode():
+            query = self.encode(context)
         t1 = time.perf_counter()
         _, ids = self.bundle.index.search(query.astype("float32"), n_r + len(context))
         said = {normalize(u) for u in context}
@@ -276,7 +283,7 @@ def run_peer(peer: Peer, contexts: list[list[str]], n_r: int, think_ms: float = 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--bundle", required=True, help="for the peer: a bundle with a reranker, --bi zero-shot")
+    p.add_argument("--bundle", required=True, help="for the peer: a bundle with a reranker")
     p.add_argument("--n-r", type=int, nargs="+", default=[10, 20, 50, 100])
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--requests", type=int, default=60, help="requests per cell (distinct test contexts)")
@@ -339,14 +346,12 @@ def main() -> None:
                 if peer is not None and concurrency == 1:  # the naive script serves one request at a time
                     theirs = run_peer(peer, contexts, n_r, args.think_ms)
                     row["peer"] = theirs
-                    row["hits@1"] = {
-                        side: round(
-                            100
-                            * float(np.mean([keys[t] == g for t, g in zip(res["top1"], golds, strict=True)])),
-                            1,
-                        )
+                    hit = {
+                        side: np.array([keys[t] == g for t, g in zip(res["top1"], golds, strict=True)], float)
                         for side, res in (("coreply", ours), ("peer", theirs))
                     }
+                    row["hits@1"] = {side: round(100 * float(h.mean()), 2) for side, h in hit.items()}
+                    row["p_coreply_better"] = round(paired_bootstrap(hit["coreply"], hit["peer"]), 4)
                     row["same_top1"] = round(
                         float(np.mean([a == b for a, b in zip(ours["top1"], theirs["top1"], strict=True)])), 3
                     )

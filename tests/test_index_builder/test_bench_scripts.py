@@ -4,6 +4,7 @@ import json
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from conftest import reseal
@@ -90,13 +91,24 @@ def test_load_sends_a_fixed_rate_and_takes_the_bundles_own_fusion(tmp_path, tiny
     assert result["shed_503"] == 0 and result["admitted_latency_ms"]["p50"] > 0
 
 
+def test_bench_times_the_server_beside_the_peer_on_the_bundles_trained_weights(tmp_path, tiny_bundle):
+    out = tmp_path / "bench.json"
+    bench("bench.py", "--bundle", str(tiny_bundle), "--n-r", "3", "--concurrency", "1", "--requests", "4",
+          "--threads", "1", "--fusion", "default", "--out", str(out))  # fmt: skip
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["coreply"]["latency_ms"]["p50"] > 0 and row["peer"]["latency_ms"]["p50"] > 0
+    assert set(row["peer"]["stages_ms"]) == {"encode", "search", "rerank"}
+    assert set(row["hits@1"]) == {"coreply", "peer"} and 0 <= row["same_top1"] <= 1 and row["p50_speedup"] > 0
+    assert 0 < row["p_coreply_better"] <= 1
+
+
 def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):
     other = tmp_path / "other.json"  # a restatement_guard run on another split: nothing to pair with
     other.write_text(json.dumps({"top1_cases": {}, "meta": {"split": "valid", "pairs": 2000}}))
     retrieval_only = tmp_path / "retrieval-only"  # the tiny bundle as if built without a reranker
     shutil.copytree(tiny_bundle, retrieval_only)
     reseal(retrieval_only, SEALING, lambda manifest: manifest["models"].update(cross=None))
-    for script, args, flag in (
+    cases = (
         ("bench.py", ["--bundle", str(tmp_path), "--out", str(other)], "--bundle: "),
         ("bench.py", ["--bundle", str(retrieval_only), "--out", str(other)], "--fusion rerank: "),
         (
@@ -193,13 +205,20 @@ def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):
             ["--bi", str(tmp_path), str(tiny_core), "--out", str(tmp_path / "no/x.json")],
             "--out: ",
         ),
-    ):
+    )
+
+    def refused(case: tuple[str, list[str], str]) -> str:
+        """'' when the script refused its bad flag in one line naming it, else what it did."""
+        script, args, flag = case
         run = subprocess.run(
             [sys.executable, str(ROOT / "bench" / script), *args], capture_output=True, text=True
         )
-        assert run.returncode != 0 and run.stderr.startswith(flag) and len(run.stderr.splitlines()) == 1, (
-            run.stderr
-        )
+        ok = run.returncode != 0 and run.stderr.startswith(flag) and len(run.stderr.splitlines()) == 1
+        return "" if ok else f"{script} {args}: {run.stderr}"
+
+    with ThreadPoolExecutor(2) as pool:  # each run is mostly its imports: two at a time, the cores busy
+        failures = [why for why in pool.map(refused, cases) if why]
+    assert not failures, failures
 
 
 def test_rerank_gate_chooses_gates_on_one_span_and_scores_them_on_others(tmp_path, tiny_bundle):
