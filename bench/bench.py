@@ -247,8 +247,7 @@ class Peer:
 
     def __call__(self, context: list[str], n_r: int) -> tuple[int, dict[str, float]]:
         t0 = time.perf_counter()
-        with self.torch.inference_mode():
-            query = self.encode(context)
+        query = self.encode(context)  # each encoder runs without autograd itself
         t1 = time.perf_counter()
         _, ids = self.bundle.index.search(query.astype("float32"), n_r + len(context))
         said = {normalize(u) for u in context}
