@@ -4,7 +4,8 @@ coreply runs as the real server (``coreply serve`` under uvicorn, a subprocess) 
 HTTP at concurrency 1 / 4 / 16; the peer is the pipeline a team would hand-roll on the same weights:
 the context encoded in PyTorch fp32 (``SentenceTransformer.encode`` of the turns joined for a zero-shot
 retriever, else the bundle's trained one through its own model) -> FAISS exact search over the bundle's
-index -> the cross-encoder in PyTorch fp32, one batch per request.
+index (or, with ``--peer-pool own``, its own index of the pool encoded by its retriever in fp32) -> the
+cross-encoder in PyTorch fp32, one batch per request.
 The two alternate in blocks within one invocation so that machine noise hits both alike.
 
     python bench/bench.py --bundle artifacts/bench-bundle --out docs/perf-cpu.json
@@ -223,7 +224,8 @@ async def load(
 class Peer:
     """The naive pipeline: encode in PyTorch fp32 -> FAISS -> cross-encoder fp32, per request."""
 
-    def __init__(self, bundle_dir: str, cross_dir: str | None = None) -> None:
+    def __init__(self, bundle_dir: str, cross_dir: str | None = None, own_pool: bool = False) -> None:
+        import faiss
         import torch
         from sentence_transformers import SentenceTransformer
 
@@ -239,9 +241,20 @@ class Peer:
             self.encode = lambda c: encoder.encode(
                 [" ".join(c)], convert_to_numpy=True, normalize_embeddings=True
             )
+            encode_pool = lambda texts: encoder.encode(  # noqa: E731
+                texts, batch_size=128, convert_to_numpy=True, normalize_embeddings=True
+            )
         else:  # trained weights: their own model, as the training code runs it
             bi = load_checkpoint(bundle.model_dir("bi"), device, expect="bi")
             self.encode = lambda c: bi.embed_contexts([c]).numpy()
+            encode_pool = lambda texts: bi.embed_responses(texts).numpy()  # noqa: E731
+        self.index, self.pool_encode_s = bundle.index, None
+        if own_pool:  # the pool as a team would index it: its own fp32 vectors, exact inner product
+            start = time.perf_counter()
+            vectors = np.ascontiguousarray(encode_pool(bundle.texts), dtype="float32")  # [N, D]
+            self.index = faiss.IndexFlatIP(vectors.shape[1])
+            self.index.add(vectors)
+            self.pool_encode_s = round(time.perf_counter() - start, 1)
         self.cross = load_checkpoint(cross_dir or bundle.model_dir("cross"), device, expect="cross")
         self.torch = torch
 
@@ -249,7 +262,7 @@ class Peer:
         t0 = time.perf_counter()
         query = self.encode(context)  # each encoder runs without autograd itself
         t1 = time.perf_counter()
-        _, ids = self.bundle.index.search(query.astype("float32"), n_r + len(context))
+        _, ids = self.index.search(query.astype("float32"), n_r + len(context))
         said = {normalize(u) for u in context}
         ids = [int(i) for i in ids[0] if i >= 0 and self.bundle.keys[i] not in said][:n_r]
         t2 = time.perf_counter()
@@ -295,6 +308,13 @@ def main() -> None:
         "a smaller served one replaces",
     )
     p.add_argument(
+        "--peer-pool",
+        default="bundle",
+        choices=["bundle", "own"],
+        help="what the peer searches: the bundle's index (coreply's vectors), or its own: the pool "
+        "encoded at start by its retriever in PyTorch fp32 into an exact FAISS index, as a team would",
+    )
+    p.add_argument(
         "--fusion",
         default="rerank",
         choices=["rerank", "retrieval", "default"],
@@ -329,7 +349,7 @@ def main() -> None:
         raise SystemExit(f"--bundle: {exc}") from None
     if args.fusion == "rerank" and manifest["models"].get("cross") is None:
         raise SystemExit("--fusion rerank: this bundle has no reranker; give --fusion retrieval or default")
-    peer = None if args.no_peer else Peer(args.bundle, args.peer_cross)
+    peer = None if args.no_peer else Peer(args.bundle, args.peer_cross, args.peer_pool == "own")
     keys = [normalize(t) for t in read_responses(Path(args.bundle) / "responses.jsonl")[0]]
     server = Server(args.bundle, args.threads)
     rows = []
@@ -373,6 +393,7 @@ def main() -> None:
         for side in ("coreply", "peer"):
             row.get(side, {}).pop("top1", None)
     result = {**provenance(), "bundle": ready, "peer_cross": args.peer_cross, "think_ms": args.think_ms,
+              "peer_pool": args.peer_pool, "peer_pool_encode_s": peer.pool_encode_s if peer else None,
               "rows": rows}  # fmt: skip
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")

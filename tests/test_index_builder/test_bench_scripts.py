@@ -94,8 +94,10 @@ def test_load_sends_a_fixed_rate_and_takes_the_bundles_own_fusion(tmp_path, tiny
 def test_bench_times_the_server_beside_the_peer_on_the_bundles_trained_weights(tmp_path, tiny_bundle):
     out = tmp_path / "bench.json"
     bench("bench.py", "--bundle", str(tiny_bundle), "--n-r", "3", "--concurrency", "1", "--requests", "4",
-          "--threads", "1", "--fusion", "default", "--out", str(out))  # fmt: skip
-    (row,) = json.loads(out.read_text())["rows"]
+          "--threads", "1", "--fusion", "default", "--peer-pool", "own", "--out", str(out))  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["peer_pool"] == "own" and result["peer_pool_encode_s"] is not None  # its own index
+    (row,) = result["rows"]
     assert row["coreply"]["latency_ms"]["p50"] > 0 and row["peer"]["latency_ms"]["p50"] > 0
     assert set(row["peer"]["stages_ms"]) == {"encode", "search", "rerank"}
     assert set(row["hits@1"]) == {"coreply", "peer"} and 0 <= row["same_top1"] <= 1 and row["p50_speedup"] > 0
