@@ -1,15 +1,17 @@
 """What the default answers on test[:2000], beside what people said (results.md §59; a scratch script
 kept with its output, not a benchmark of the repo).
 
-    coreply serve --port 8011 &     # the default bundle
+    COREPLY_MAX_EXCLUDE=1000 coreply serve --port 8011 &   # the default; a conversation holds up to 207 lines
     python docs/zen4-2026-12-02c/answers.py --url http://127.0.0.1:8011 \
         --out docs/zen4-2026-12-02c/answers.json
 
 Each context is posted once (top_k 1, the bundle's own fusion); the top answer is then placed: the test
 reply itself, a later line of the same conversation, an earlier line of it that the 5-turn context no
-longer holds, a context turn, or elsewhere in the pool. Beside that: length, sharing a content word
-(bm25s's English stopwords out, 3+ letters) with the last turn, and how often one answer repeats (and
-whether within one conversation's span of consecutive pairs).
+longer holds, a context turn, or elsewhere in the pool. Each context is posted a second time with every
+other line of its conversation in ``exclude``, as a pool would be that does not hold the conversation
+being served: hits@1 then. Beside that: length, sharing a content word (bm25s's English stopwords out,
+3+ letters) with the last turn, and how often one answer repeats (and whether within one conversation's
+span of consecutive pairs).
 """
 
 from __future__ import annotations
@@ -54,13 +56,19 @@ def main() -> None:
         if not lines[pair.conversation_id]:
             lines[pair.conversation_id].extend(pair.context)
         lines[pair.conversation_id].append(pair.response)
-    tops, gated = [], []
+    tops, gated, alone = [], [], []  # alone: the top answer with the conversation's other lines excluded
     with httpx.Client(timeout=30) as client:
         for pair in pairs:
             body = {"context": list(pair.context), "top_k": 1}
             answer = client.post(f"{args.url}/respond", json=body).json()
             tops.append(answer["responses"][0]["text"])
             gated.append(answer["rerank_gated"])
+            gold = normalize(pair.response)
+            others = sorted({x for x in lines[pair.conversation_id] if normalize(x) != gold})
+            answer = client.post(f"{args.url}/respond", json=body | {"exclude": others}).json()
+            if "responses" not in answer:
+                raise SystemExit(f"{pair.conversation_id}: {answer}")
+            alone.append(answer["responses"][0]["text"])
     where: Counter[str] = Counter()
     for pair, top in zip(pairs, tops, strict=True):
         said = [normalize(x) for x in lines[pair.conversation_id]]
@@ -103,10 +111,12 @@ def main() -> None:
         at[top].append(i)
     repeated = [ix for ix in at.values() if len(ix) >= 3]
 
+    hits_alone = sum(normalize(t) == normalize(q.response) for t, q in zip(alone, pairs, strict=True))
     result = {
         "pairs": len(pairs),
         "top1_is": dict(where.most_common()),
         "rerank_gated_%": round(100 * sum(gated) / len(gated), 2),
+        "hits@1_with_the_conversations_other_lines_excluded": round(100 * hits_alone / len(pairs), 2),
         "texts_given_3_or_more_times": len(repeated),
         "of_them_only_within_40_consecutive_pairs": sum(max(ix) - min(ix) < 40 for ix in repeated),
         "default": profile(tops),
