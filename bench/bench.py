@@ -225,7 +225,6 @@ class Peer:
     """The naive pipeline: encode in PyTorch fp32 -> FAISS -> cross-encoder fp32, per request."""
 
     def __init__(self, bundle_dir: str, cross_dir: str | None = None, own_pool: bool = False) -> None:
-        import faiss
         import torch
         from sentence_transformers import SentenceTransformer
 
@@ -250,6 +249,8 @@ class Peer:
             encode_pool = lambda texts: bi.embed_responses(texts).numpy()  # noqa: E731
         self.index, self.pool_encode_s = bundle.index, None
         if own_pool:  # the pool as a team would index it: its own fp32 vectors, exact inner product
+            import faiss
+
             start = time.perf_counter()
             vectors = np.ascontiguousarray(encode_pool(bundle.texts), dtype="float32")  # [N, D]
             self.index = faiss.IndexFlatIP(vectors.shape[1])

@@ -43,6 +43,14 @@ def shares(answer: str, turn: str) -> bool:
     return bool(content(answer) & content(turn))
 
 
+def first_answer(client: httpx.Client, url: str, body: dict) -> dict:
+    """The first answer to ``body``; a refused request stops the run with the server's message."""
+    answer = client.post(f"{url}/respond", json=body).json()
+    if "responses" not in answer:
+        raise SystemExit(f"{url}/respond refused {str(body)[:80]}...: {answer.get('error', answer)}")
+    return answer
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--url", required=True)
@@ -60,15 +68,12 @@ def main() -> None:
     with httpx.Client(timeout=30) as client:
         for pair in pairs:
             body = {"context": list(pair.context), "top_k": 1}
-            answer = client.post(f"{args.url}/respond", json=body).json()
+            answer = first_answer(client, args.url, body)
             tops.append(answer["responses"][0]["text"])
             gated.append(answer["rerank_gated"])
             gold = normalize(pair.response)
             others = sorted({x for x in lines[pair.conversation_id] if normalize(x) != gold})
-            answer = client.post(f"{args.url}/respond", json=body | {"exclude": others}).json()
-            if "responses" not in answer:
-                raise SystemExit(f"{pair.conversation_id}: {answer}")
-            alone.append(answer["responses"][0]["text"])
+            alone.append(first_answer(client, args.url, body | {"exclude": others})["responses"][0]["text"])
     where: Counter[str] = Counter()
     for pair, top in zip(pairs, tops, strict=True):
         said = [normalize(x) for x in lines[pair.conversation_id]]
