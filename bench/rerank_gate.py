@@ -17,7 +17,9 @@ that the gated answer beats the first stage's and that always reranking beats th
 several ``--measure`` spans, the same over all of them pooled (a gain too small to show on one span
 may show on all: docs/results.md §48). With several ``--n-r``, all of it at each: the candidates are
 recalled and reranked once, at the largest, and a smaller n_r reorders only the first n_r of them, as
-serving it would (its gates chosen at that n_r).
+serving it would (its gates chosen at that n_r). With ``--exclude-conversation`` each measured context
+excludes the other lines of its own conversation, as a request would over a pool that does not hold the
+conversation being served (docs/results.md §60).
 
     python bench/rerank_gate.py --bundle artifacts/cand-r11-hard-gate --out docs/rerank-gate-r11-hard.json
 """
@@ -46,6 +48,7 @@ from evaluation.protocols import (
     Retrieved,
     choose_gate,
     choose_reach,
+    conversation_others,
     ranked_ids,
     reranked_per_context,
     retrieve_and_rerank,
@@ -115,6 +118,12 @@ def main() -> None:
         help="reaches chosen behind the bundle's own gate, each changing at most this share more answers",
     )
     p.add_argument("--n-r", type=int, nargs="+", default=[10], help="candidates reranked, one or several")
+    p.add_argument(
+        "--exclude-conversation",
+        action="store_true",
+        help="each --measure context excludes the other lines of its conversation, as a served pool would "
+        "be that does not hold the conversation being served (the --calibrate span as a bundle is built)",
+    )
     p.add_argument("--out", type=Path, default=None, help="JSON file to write")
     args = p.parse_args()
     args.calibrate = span("--calibrate", args.calibrate)
@@ -142,7 +151,9 @@ def main() -> None:
         name = f"{split}[{start}:{start + limit}]"
         pairs = splits[split][start : start + limit]
         golds[name] = [normalize(p.response) for p in pairs]
-        got[name] = retrieve_and_rerank(pairs, ranking, max(args.n_r), max(args.n_r))
+        apart = args.exclude_conversation and (split, start, limit) != args.calibrate
+        exclude = conversation_others(pairs, splits[split]) if apart else None
+        got[name] = retrieve_and_rerank(pairs, ranking, max(args.n_r), max(args.n_r), exclude)
         print(f"{name}: {len(pairs)} contexts recalled and reranked", flush=True)
     calibration = f"{args.calibrate[0]}[{args.calibrate[1]}:{sum(args.calibrate[1:])}]"
     measured = [f"{s}[{a}:{a + n}]" for s, a, n in args.measure]
@@ -213,6 +224,7 @@ def main() -> None:
         return out
 
     result: dict = provenance() | {"bundle": args.bundle, "fusion": fusion, "calibrated_on": calibration}
+    result["exclude_conversation"] = args.exclude_conversation
     result["n_r"] = {str(n): at(n) for n in sorted(set(args.n_r), reverse=True)}
     if args.out:
         write_json_atomic(args.out, result)

@@ -592,6 +592,12 @@ def _eval_parser(sub) -> None:
         "the validation pairs), added to protocol B's bi-encoder recall; 'none': without it (default: "
         "the built-in train split for --data chitchat, none for a file)",
     )
+    p.add_argument(
+        "--exclude-conversation",
+        action="store_true",
+        help="protocol B as a served pool would be that does not hold the conversation being served: each "
+        "case's query excludes the other lines of its conversation in the split (its gold kept)",
+    )
     p.add_argument("--out", type=out_file, required=True, help="JSON file to write")
 
 
@@ -601,7 +607,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from coreply.corpus import responses_of
     from coreply.device import resolve_device
     from coreply.readers import read_pairs, read_pool
-    from evaluation.protocols import pool_for_eval
+    from evaluation.protocols import conversation_others, pool_for_eval
     from evaluation.report import EvalSpec, run_eval
 
     if not args.bi and not args.cross and "bm25" not in args.retriever:
@@ -628,6 +634,13 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         missing = sum(normalize(p.response) not in keys for p in test)
         if missing:
             print(f"note: {missing} of {len(test)} test golds are not in {args.pool} (B cannot find them)")
+    exclude = None
+    if args.exclude_conversation:
+        if not any(p.conversation_id for p in cases):
+            raise CliError(
+                f"--exclude-conversation: the pairs of --data {args.data} carry no conversation ids"
+            )
+        exclude = conversation_others(test, cases)
     spec = EvalSpec(
         name=args.name or Path(args.out).stem,
         bi=args.bi,
@@ -646,6 +659,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         guard_pairs=valid,
         guard_quantile=args.restatement_quantile,
         prior_pairs=_prior_pairs(args.prior_pairs, splits["train"] if args.data == "chitchat" else None),
+        exclude=exclude,
     )
     result = run_eval(spec)
     write_json_atomic(Path(args.out), result)
@@ -693,7 +707,11 @@ def _cmd_report(args: argparse.Namespace) -> int:
     if args.against is not None and args.against not in names:
         raise CliError(f"report: --against {args.against!r} names none of the inputs' runs ({names})")
     runs = {Path(p).parent.name: json.loads(Path(p).read_text()) for p in args.runs}
-    Path(args.out).write_text(render_markdown(results, runs, args.scale, against=args.against))
+    try:
+        table = render_markdown(results, runs, args.scale, against=args.against)
+    except ValueError as exc:
+        raise CliError(f"report: {exc}") from exc
+    Path(args.out).write_text(table)
     if args.curves and args.runs:
         plot_runs({Path(p).parent.name: Path(p).parent / "metrics.jsonl" for p in args.runs}, args.curves)
     if args.plot and merge_sweeps(results):

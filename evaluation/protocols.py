@@ -179,11 +179,40 @@ class Retrieved:
     rerank_s: float
 
 
-def retrieve_and_rerank(pairs: Sequence[Pair], ranking: Pipeline, depth: int, n_r: int) -> Retrieved:
+def conversation_others(pairs: Sequence[Pair], split: Sequence[Pair]) -> list[tuple[str, ...]]:
+    """Per pair, the other lines of its conversation in ``split`` (every context turn and response of
+    the split's pairs with its conversation id), less its gold and its own context's turns (the first is
+    the answer sought, the rest a pipeline drops as echoes), each normalised text once: what a pool
+    would lack that does not hold the conversation being served. A pair without a conversation id has
+    none."""
+    lines: dict[str, dict[str, str]] = {}  # conversation id -> normalised text -> a line with it
+    for pair in split:
+        if pair.conversation_id:
+            own = lines.setdefault(pair.conversation_id, {})
+            for text in (*pair.context, pair.response):
+                own.setdefault(normalize(text), text)
+    out = []
+    for pair in pairs:
+        drop = {normalize(t) for t in (*pair.context, pair.response)}
+        own = lines.get(pair.conversation_id, {}) if pair.conversation_id else {}
+        out.append(tuple(text for key, text in own.items() if key not in drop))
+    return out
+
+
+def retrieve_and_rerank(
+    pairs: Sequence[Pair],
+    ranking: Pipeline,
+    depth: int,
+    n_r: int,
+    exclude: Sequence[Sequence[str]] | None = None,
+) -> Retrieved:
     """Retrieve ``depth`` echo-free candidates per query through ``ranking`` and rerank the first
-    ``n_r`` with its rerank stage (if any)."""
+    ``n_r`` with its rerank stage (if any). ``exclude``: per pair, texts its query may not answer (as a
+    request's ``exclude``; :func:`conversation_others` for a pool without the conversation)."""
     start = time.perf_counter()
-    candidates = ranking.recall([Query(p.context) for p in pairs], [depth] * len(pairs))
+    texts = exclude if exclude is not None else [()] * len(pairs)
+    queries = [Query(p.context, exclude_texts=x) for p, x in zip(pairs, texts, strict=True)]
+    candidates = ranking.recall(queries, [depth] * len(pairs))
     got = Retrieved(candidates, time.perf_counter() - start, 0.0)
     return rerank(pairs, got, ranking, n_r) if ranking.reranker is not None and n_r > 0 else got
 

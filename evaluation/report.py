@@ -9,6 +9,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from functools import partial
 from typing import Any
 
 import torch
@@ -57,6 +58,9 @@ class EvalSpec:
     guard_pairs: list[Pair] = field(default_factory=list)  # held-out pairs calibrating the guard
     guard_quantile: float | None = restatement.DEFAULT_QUANTILE  # None: protocol B without the guard
     prior_pairs: list[Pair] = field(default_factory=list)  # the response prior's reference; none: no prior
+    # per test pair, texts protocol B may not answer (protocols.conversation_others: a pool without the
+    # conversation being served); None: the pool as it is
+    exclude: list[tuple[str, ...]] | None = None
 
 
 def _row(name: str, ranks: list[float], **extra: Any) -> dict[str, Any]:
@@ -79,6 +83,7 @@ def run_eval(spec: EvalSpec) -> dict[str, Any]:
     cross_name = _label(spec.cross, "Cross")
     poly_name = _label(spec.bi, "Poly")  # a Poly-encoder's code scores (its pooled vector is bi_name)
     result: dict[str, Any] = {"A": [], "B": [], "sweep": []}
+    recall_test = partial(retrieve_and_rerank, spec.test, n_r=0, exclude=spec.exclude)  # (ranking, depth)
     contexts = [p.context for p in spec.test]
     judge = RestatementJudge(load_bi(spec.judge, spec.device)) if spec.judge else None
 
@@ -122,7 +127,7 @@ def run_eval(spec: EvalSpec) -> dict[str, Any]:
                 retrieve, label = DenseRetriever(bi, spec.pool), bi_name  # type: ignore[assignment]
             t0 = time.perf_counter()
             recall = Pipeline(retrieve, spec.pool, keys)
-            got = retrieve_and_rerank(spec.test, recall, depth, 0)
+            got = recall_test(recall, depth)
             # a bundle's recall, one addition at a time: each row, then the next; every rerank stage
             # reads the last (as served)
             if spec.guard_quantile is not None and spec.guard_pairs and retriever_name == "bi":
@@ -131,7 +136,7 @@ def run_eval(spec: EvalSpec) -> dict[str, Any]:
                     retrieve.encode_responses, spec.guard_pairs, spec.guard_quantile
                 )
                 recall = Pipeline(retrieve, spec.pool, keys, guard=restatement.Guard.of(guard))
-                got = retrieve_and_rerank(spec.test, recall, depth, 0)
+                got = recall_test(recall, depth)
                 label = f"{label} + guard"
                 result.setdefault("restatement", {})["guard"] = guard
             if spec.prior_pairs and spec.guard_pairs and isinstance(retrieve, DenseRetriever):
@@ -144,7 +149,7 @@ def run_eval(spec: EvalSpec) -> dict[str, Any]:
                     spec.prior_pairs,
                     spec.guard_pairs,
                 )
-                got = retrieve_and_rerank(spec.test, recall, depth, 0)
+                got = recall_test(recall, depth)
                 label = f"{label} + prior"
             per_case_ms = 1000 * got.retrieve_s / len(spec.test)
             result["B"].append(retrieval_row(label, got))
@@ -200,6 +205,11 @@ def run_eval(spec: EvalSpec) -> dict[str, Any]:
         "test_pairs": len(spec.test),
         "valid_pairs_for_calibration": len(spec.valid),
         "pool_size": len(spec.pool),
+        "excluded_per_case": (
+            None
+            if spec.exclude is None
+            else round(sum(map(len, spec.exclude)) / max(1, len(spec.exclude)), 2)
+        ),
         "candidates_protocol_a": candidates or spec.candidates,
         "protocol_a_negative_pool": len(spec.negatives),
         "n_r": list(spec.n_r),
@@ -265,6 +275,12 @@ def render_markdown(
     against that run's row of the same role (:func:`_role`) on the same cases."""
     lines = [f"## Results{f' ({scale} scale)' if scale else ''}", ""]
     metas = [r["meta"] for r in results if "meta" in r]
+    apart = {m.get("excluded_per_case") is not None for m in metas}  # protocol B without the conversation
+    if len(apart) > 1:
+        raise ValueError(
+            "some runs excluded each case's conversation from protocol B's pool (--exclude-conversation) "
+            "and some did not: they measure different things, report them apart"
+        )
     if metas:
         m = metas[0]
         lines += [
@@ -333,7 +349,12 @@ def render_markdown(
     size = metas[0]["candidates_protocol_a"] if metas else 100
     for protocol, title in (
         ("A", f"Protocol A (1 gold + {size - 1} negatives)"),
-        ("B", "Protocol B (full pool)"),
+        (
+            "B",
+            "Protocol B (full pool, less each case's other conversation lines)"
+            if True in apart
+            else "Protocol B (full pool)",
+        ),
     ):
         rows = [(res.get("meta", {}).get("name", ""), r) for res in results for r in res.get(protocol, [])]
         if not rows:

@@ -202,3 +202,8 @@ def test_own_data_end_to_end_pool_metadata_eval_and_info(capsys, caplog, tmp_pat
     meta = json.loads(result.read_text())["meta"]
     assert meta["test_pairs"] == 48 and meta["pool_size"] == 8 and meta["candidates_protocol_a"] == 8
     assert "protocol A lists of 100 asked for, but the negative pool has 8 distinct responses" in caplog.text
+    code, out, err = run(
+        capsys, "eval", "--bi", str(tiny_core / "bi"), "--data", str(pairs), "--exclude-conversation",
+        "--judge", "none", "--out", str(result),
+    )  # fmt: skip
+    assert code != 0 and f"--exclude-conversation: the pairs of --data {pairs} carry no conversation" in err

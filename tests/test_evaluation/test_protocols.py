@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
 import torch
+from conftest import toy_pool
 
 from coreply.config import ModelConfig
 from coreply.corpus import Pair
@@ -11,6 +12,7 @@ from evaluation.protocols import (
     BM25Retriever,
     DenseRetriever,
     Retrieved,
+    conversation_others,
     evaluate_lists,
     evaluate_pool,
     protocol_a_lists,
@@ -100,6 +102,64 @@ def test_evaluate_lists_and_retrieve_and_rerank_run_with_real_models(tiny_model_
     got = retrieve_and_rerank(pairs, ranking, depth=4, n_r=3)
     assert [len(c.rerank) for c in got.candidates] == [3, 3]
     assert all(keys[i] != "hello" for i in got.candidates[0].ids)  # the echo of turn 1 is gone
+    first = [int(c.ids[0]) for c in got.candidates]  # each pair's top candidate, then excluded from it
+    apart = retrieve_and_rerank(pairs, ranking, 4, 3, exclude=[(POOL[first[0]],), ()])
+    assert (
+        first[0] not in apart.candidates[0].ids
+        and apart.candidates[0].ids.tolist()
+        == [i for i in retrieve_and_rerank(pairs, ranking, 5, 3).candidates[0].ids.tolist() if i != first[0]][
+            :4
+        ]
+    )
+    assert apart.candidates[1].ids.tolist() == got.candidates[1].ids.tolist()  # the other pair as it was
+
+
+def test_conversation_others_are_the_rest_of_a_pairs_conversation_in_its_split():
+    split = [
+        Pair(("hi",), "hello there", "c1"),
+        Pair(("hi", "hello there"), "how are you ?", "c1"),
+        Pair(("hi", "hello there", "how are you ?"), "Fine,  THANKS", "c1"),
+        Pair(("hello there", "how are you ?", "fine, thanks"), "Hello There", "c1"),  # said again
+        Pair(("yo",), "sup", "c2"),
+        Pair(("hm",), "ok", ""),  # no conversation id: nothing to exclude
+    ]
+    # neither the gold (in any spelling) nor the context's own turns, each other line once
+    assert conversation_others(split[:2], split) == [("how are you ?", "Fine,  THANKS"), ("Fine,  THANKS",)]
+    assert conversation_others(split[3:], split) == [("hi",), (), ()]
+    assert conversation_others(split[4:5], split[:4]) == [()]  # its conversation is not in the split
+
+
+def test_protocol_b_without_the_conversation_excludes_its_other_lines(tiny_core, toy_pairs):
+    from dataclasses import replace
+
+    from evaluation.report import EvalSpec, render_markdown, run_eval
+
+    # one conversation per round; each test context asks a topic's question, its gold is the next
+    # topic's answer, and the asked topic's answer (which the model ranks first) is a line of its round
+    lines = [replace(p, conversation_id=p.conversation_id.split("-")[1]) for p in toy_pairs[:16]]
+    test = [replace(p, response=q.response) for p, q in zip(lines, lines[1:] + lines[:1], strict=True)]
+    spec = EvalSpec(
+        name="whole",
+        bi=str(tiny_core / "bi"),
+        cross=None,
+        test=test,
+        valid=[],
+        pool=toy_pool(),
+        negatives=toy_pool(),
+        protocols=("B",),
+        n_r=(4,),
+        judge=None,
+    )
+    whole = run_eval(spec)
+    apart = run_eval(replace(spec, name="apart", exclude=conversation_others(test, lines)))
+    # the 7 other topics' questions and answers of its round
+    assert whole["meta"]["excluded_per_case"] is None and apart["meta"]["excluded_per_case"] == 14.0
+    before, after = whole["B"][0]["ranks"], apart["B"][0]["ranks"]  # retrieval order: golds only move up
+    assert all(a <= b for a, b in zip(after, before, strict=True))
+    assert max(after) <= 5 < max(before)  # only the pool's four lines of no conversation are left to beat
+    assert "less each case's other conversation lines" in render_markdown([apart])
+    with pytest.raises(ValueError, match="report them apart"):
+        render_markdown([whole, apart])
 
 
 def test_restatement_judge_flags_answers_that_repeat_the_last_turn(tiny_model_dir):

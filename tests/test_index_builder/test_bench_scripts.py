@@ -256,6 +256,13 @@ def test_rerank_gate_chooses_gates_on_one_span_and_scores_them_on_others(tmp_pat
         for key in ("wins", "losses"):
             assert pooled[label][key] == sum(rows[label][key] for rows in parts)
         assert 0 <= pooled[label]["p_beats_first_stage"] <= 1
+    # a pool without the measured conversations: the calibration span is recalled as a bundle is built
+    bench("rerank_gate.py", "--bundle", str(tiny_bundle), "--calibrate", "valid:0:12", "--measure",
+          "test:0:8", "--fidelity", "0", "0.5", "--n-r", "4", "--exclude-conversation",
+          "--out", str(out))  # fmt: skip
+    apart = json.loads(out.read_text())
+    assert apart["exclude_conversation"] is True and result["exclude_conversation"] is False
+    assert apart["n_r"]["4"]["spans"]["valid[0:12]"] == calibration
 
 
 def test_quantisation_compares_each_int8_variant_with_fp32(tmp_path, tiny_core):
