@@ -671,7 +671,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
                 f"{protocol} {row['system']:<55} {row.get('n_r', ''):>4} hits@1 {m['hits@1']:5.1f} "
                 f"hits@10 {m['hits@10']:5.1f} MRR {m['mrr']:5.1f}{restates}"
             )
-    if "restatement" in result:
+    if "gold" in result.get("restatement", {}):  # judged (a guard alone also writes "restatement")
         print(f"gold replies restate the last turn in {result['restatement']['gold']:.1f}% of cases")
     return 0
 
