@@ -275,12 +275,13 @@ def render_markdown(
     against that run's row of the same role (:func:`_role`) on the same cases."""
     lines = [f"## Results{f' ({scale} scale)' if scale else ''}", ""]
     metas = [r["meta"] for r in results if "meta" in r]
-    apart = {m.get("excluded_per_case") is not None for m in metas}  # protocol B without the conversation
-    if len(apart) > 1:
+    kinds = {m.get("excluded_per_case") is not None for m in metas}  # protocol B without the conversation
+    if len(kinds) > 1:
         raise ValueError(
             "some runs excluded each case's conversation from protocol B's pool (--exclude-conversation) "
             "and some did not: they measure different things, report them apart"
         )
+    apart = kinds == {True}
     if metas:
         m = metas[0]
         lines += [
@@ -352,7 +353,7 @@ def render_markdown(
         (
             "B",
             "Protocol B (full pool, less each case's other conversation lines)"
-            if True in apart
+            if apart
             else "Protocol B (full pool)",
         ),
     ):
