@@ -638,7 +638,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     if args.exclude_conversation:
         if not any(p.conversation_id for p in cases):
             raise CliError(
-                f"--exclude-conversation: the pairs of --data {args.data} carry no conversation ids"
+                f"--exclude-conversation: the pairs of --data {args.data} carry no conversation ids; "
+                'give each record a "conversation_id"'
             )
         exclude = conversation_others(test, cases)
     spec = EvalSpec(

@@ -275,7 +275,8 @@ def render_markdown(
     against that run's row of the same role (:func:`_role`) on the same cases."""
     lines = [f"## Results{f' ({scale} scale)' if scale else ''}", ""]
     metas = [r["meta"] for r in results if "meta" in r]
-    kinds = {m.get("excluded_per_case") is not None for m in metas}  # protocol B without the conversation
+    # protocol B with or without each case's conversation: only runs with B rows say which
+    kinds = {r["meta"].get("excluded_per_case") is not None for r in results if r.get("B") and "meta" in r}
     if len(kinds) > 1:
         raise ValueError(
             "some runs excluded each case's conversation from protocol B's pool (--exclude-conversation) "

@@ -209,3 +209,4 @@ def test_own_data_end_to_end_pool_metadata_eval_and_info(capsys, caplog, tmp_pat
         "--judge", "none", "--out", str(result),
     )  # fmt: skip
     assert code != 0 and f"--exclude-conversation: the pairs of --data {pairs} carry no conversation" in err
+    assert 'give each record a "conversation_id"' in err and "Traceback" not in err

@@ -155,6 +155,7 @@ def test_protocol_b_without_the_conversation_excludes_its_other_lines(tiny_core,
     assert "less each case's other conversation lines" in render_markdown([apart])
     with pytest.raises(ValueError, match="report them apart"):
         render_markdown([whole, apart])
+    assert "Protocol B (full pool)" in render_markdown([whole, {**apart, "B": []}])  # no B rows: no clash
 
 
 def test_restatement_judge_flags_answers_that_repeat_the_last_turn(tiny_model_dir):
