@@ -696,18 +696,23 @@ def _report_parser(sub) -> None:
 
 def _cmd_report(args: argparse.Namespace) -> int:
     from evaluation.plots import plot_nr_sweep, plot_runs
-    from evaluation.report import merge_sweeps, render_markdown
+    from evaluation.report import check_result, check_summary, merge_sweeps, render_markdown
 
-    results = []
-    for path in args.inputs:
+    def read(path: str, check) -> dict:
         try:
-            results.append(json.loads(Path(path).read_text()))
-        except (OSError, json.JSONDecodeError) as exc:
+            obj = json.loads(Path(path).read_text())
+            check(obj)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise CliError(f"report: cannot read {path}: {exc}") from exc
-    names = [r.get("meta", {}).get("name") for r in results]
+        except ValueError as exc:
+            raise CliError(f"report: {path}: {exc}") from exc
+        return obj
+
+    results = [read(path, check_result) for path in args.inputs]
+    names = [r["meta"]["name"] for r in results]
     if args.against is not None and args.against not in names:
         raise CliError(f"report: --against {args.against!r} names none of the inputs' runs ({names})")
-    runs = {Path(p).parent.name: json.loads(Path(p).read_text()) for p in args.runs}
+    runs = {Path(p).parent.name: read(p, check_summary) for p in args.runs}
     try:
         table = render_markdown(results, runs, args.scale, against=args.against)
     except ValueError as exc:

@@ -263,6 +263,37 @@ def _is_core(system: str) -> bool:
     return "CORE" in system or "mutual" in system
 
 
+# what render_markdown reads of each input: run_eval's meta and rows, and a training run's summary.json
+_META_KEYS = ("name", "date", "machine", "test_pairs", "pool_size", "candidates_protocol_a")
+_META_KEYS += ("valid_pairs_for_calibration",)
+_ROW_KEYS = {"system", "metrics", "ranks"}
+_SUMMARY_KEYS = ("steps", "examples_seen", "train_seconds", "device")
+
+
+def check_result(obj: Any) -> None:
+    """Raise ValueError, saying what is missing, unless ``obj`` has the shape :func:`run_eval` returns
+    (`coreply eval --out`), so that `coreply report` refuses another JSON in one line."""
+    meta = obj.get("meta") if isinstance(obj, dict) else None
+    if not isinstance(meta, dict):
+        raise ValueError('no "meta" object: not the JSON `coreply eval --out` writes')
+    missing = [k for k in _META_KEYS if k not in meta]
+    if missing:
+        raise ValueError(f"its meta lacks {', '.join(missing)}: not the JSON `coreply eval --out` writes")
+    if not any(k in obj for k in ("A", "B")):
+        raise ValueError('no protocol rows ("A" or "B"): not the JSON `coreply eval --out` writes')
+    for protocol in ("A", "B"):
+        rows = obj.get(protocol, [])
+        if not isinstance(rows, list) or not all(isinstance(r, dict) and r.keys() >= _ROW_KEYS for r in rows):
+            raise ValueError(f'its "{protocol}" is not a list of rows with system, metrics and ranks')
+
+
+def check_summary(obj: Any) -> None:
+    """Raise ValueError unless ``obj`` is a training run's summary.json as `coreply train` writes it."""
+    missing = [k for k in _SUMMARY_KEYS if not isinstance(obj, dict) or k not in obj]
+    if missing:
+        raise ValueError(f"lacks {', '.join(missing)}: not the summary.json `coreply train` writes")
+
+
 def render_markdown(
     results: list[dict[str, Any]],
     runs: dict[str, dict[str, Any]] | None = None,

@@ -82,6 +82,38 @@ def test_nonsense_values_are_refused_in_one_line_naming_the_flag(capsys, tmp_pat
     assert not (tmp_path / "R").exists()  # nothing was started
 
 
+def test_report_refuses_a_json_that_coreply_eval_did_not_write_in_one_line(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    meta = dict(name="r", date="2026-12-03", machine="cpu", test_pairs=1, pool_size=2)
+    meta |= dict(candidates_protocol_a=2, valid_pairs_for_calibration=0)
+    from evaluation.metrics import summarize
+
+    row = {"system": "Bi-Enc", "metrics": summarize([1.0]), "ranks": [1.0]}
+    files = {
+        "list.json": [],  # a JSON that is no object: a traceback before
+        "manifest.json": {"format": 2, "files": {}},  # a bundle's, not an eval's
+        "grounded.json": {"meta": {"name": "g", "date": "d", "machine": "m"}, "ranks": [1.0]},  # ground eval
+        "rows.json": {"meta": meta, "B": [{"system": "Bi-Enc"}]},
+        "ok.json": {"meta": meta, "B": [row]},
+        "summary.json": {"steps": 3},  # a --runs file without what the training table reads
+    }
+    for name, obj in files.items():
+        (tmp_path / name).write_text(json.dumps(obj))
+    for argv, says in (
+        (["list.json"], 'list.json: no "meta" object: not the JSON `coreply eval --out` writes'),
+        (["manifest.json"], 'manifest.json: no "meta" object'),
+        (["grounded.json"], "grounded.json: its meta lacks test_pairs, pool_size, candidates_protocol_a"),
+        (["rows.json"], 'rows.json: its "B" is not a list of rows with system, metrics and ranks'),
+        (["ok.json", "--runs", "summary.json"], "summary.json: lacks examples_seen, train_seconds, device"),
+        (["ok.json", "--runs", "gone.json"], "cannot read gone.json: [Errno 2]"),
+    ):
+        code, _, err = run(capsys, "report", *argv, "--out", "r.md")
+        assert code == 2 and says in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "r.md").exists()
+    code, _, err = run(capsys, "report", "ok.json", "--out", "r.md")
+    assert code == 0 and "| Bi-Enc |" in (tmp_path / "r.md").read_text(), err
+
+
 def test_serve_names_an_environment_only_setting_without_a_flag(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("COREPLY_MIN_RETRIEVAL_SCORE", "nan")  # a threshold no score can reach
     monkeypatch.setenv("COREPLY_BUNDLE", str(tmp_path / "none"))  # let through: an error, not a server
