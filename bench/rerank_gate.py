@@ -128,9 +128,13 @@ def main() -> None:
     args = p.parse_args()
     args.calibrate = span("--calibrate", args.calibrate)
     args.measure = [span("--measure", m) for m in args.measure]
-    for i, (split, start, limit) in enumerate(args.measure):
-        if any(s == split and a < start + limit and start < a + n for s, a, n in args.measure[:i]):
-            raise SystemExit(f"--measure: {split}:{start}:{limit} overlaps another span; give disjoint ones")
+    taken = [args.calibrate]  # a gate measured on pairs it was chosen on would not be held out
+    for split, start, limit in args.measure:
+        if any(s == split and a < start + limit and start < a + n for s, a, n in taken):
+            raise SystemExit(
+                f"--measure: {split}:{start}:{limit} overlaps --calibrate or another span; give disjoint ones"
+            )
+        taken.append((split, start, limit))
     for flag, shares in (("--fidelity", args.fidelity), ("--reach-fidelity", args.reach_fidelity)):
         if bad := [f for f in shares if not 0 <= f < 1]:
             raise SystemExit(f"{flag}: each in [0, 1), got {bad}")

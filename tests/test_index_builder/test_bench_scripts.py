@@ -136,6 +136,11 @@ def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):
         ("rerank_gate.py", ["--bundle", str(tiny_bundle), "--reach-fidelity", "-0.5"], "--reach-fidelity: "),
         ("rerank_gate.py", ["--bundle", str(tiny_bundle), "--measure", "test:0"], "--measure: "),
         ("rerank_gate.py", ["--bundle", str(tiny_bundle), "--measure", "test:0:8", "test:7:2"], "--measure"),
+        (  # the default --calibrate is valid:0:2000
+            "rerank_gate.py",
+            ["--bundle", str(tiny_bundle), "--measure", "valid:1999:5"],
+            "--measure: valid:1999:5 overlaps --calibrate",
+        ),
         ("rerank_gate.py", ["--bundle", str(tiny_bundle), "--calibrate", "train:0:5"], "--calibrate: "),
         ("rerank_gate.py", ["--bundle", str(tiny_bundle), "--n-r", "10", "0"], "--n-r: "),
         ("rerank_ensemble.py", ["--bundle", str(tmp_path), "--cross", str(tmp_path)], "--bundle: "),
