@@ -297,7 +297,10 @@ def _prepare_run_dir(out: Path, config: Any, resume: bool, overwrite: bool) -> N
     except (OSError, json.JSONDecodeError) as exc:
         raise CliError(f"--resume: cannot read {saved_path} ({exc}); use --overwrite") from None
     new = json.loads(json.dumps(asdict(config)))
-    changed = sorted(k for k in new if k not in RESUMABLE and saved.get(k) != new[k])
+    asked = saved.get("asked", {})  # values the data capped (Trainer.asked): either is the run's
+    changed = sorted(
+        k for k in new if k not in RESUMABLE and new[k] not in (saved.get(k), asked.get(k, saved.get(k)))
+    )
     if changed:
         flags = ", ".join("--" + k.replace("_", "-") for k in changed)
         raise CliError(f"--resume: {flags} differ from the run in {out}; keep its values or --overwrite")

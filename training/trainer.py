@@ -188,6 +188,10 @@ class Trainer:
         self, config: TrainConfig, train: Sequence[Pair], valid: Sequence[Pair], negative_pool: Sequence[str]
     ) -> None:
         self.sampler = NegativeSampler(negative_pool)
+        self.rank, self.world = _world()
+        # what the data could not give, capped with a message; train_config.json keeps the values asked
+        # for beside the ones used, so that the same command line resumes the run
+        self.asked: dict[str, int] = {}
         if config.num_negatives > self.sampler.capacity:
             log.warning(
                 "--num-negatives %d, but the training pool has %d distinct responses: %d negatives per list "
@@ -196,9 +200,21 @@ class Trainer:
                 self.sampler.distinct,
                 self.sampler.capacity,
             )
+            self.asked["num_negatives"] = config.num_negatives
             config = replace(config, num_negatives=self.sampler.capacity)
+        micro_batches = config.grad_accum * self.world  # a global batch is batch_size of each
+        if config.batch_size * micro_batches > len(train) >= micro_batches:
+            log.warning(
+                "--batch-size %d, but the training data has %d pairs for the %d batch(es) of a step "
+                "(--grad-accum x processes): --batch-size %d",
+                config.batch_size,
+                len(train),
+                micro_batches,
+                len(train) // micro_batches,
+            )
+            self.asked["batch_size"] = config.batch_size
+            config = replace(config, batch_size=len(train) // micro_batches)
         self.cfg = config
-        self.rank, self.world = _world()
         self.device = resolve_device(config.device)
         if self.world > 1 and self.device.type == "cuda":
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -788,7 +804,9 @@ class Trainer:
         cfg = self.cfg
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
-            write_json_atomic(self.out / "train_config.json", asdict(cfg))
+            write_json_atomic(
+                self.out / "train_config.json", asdict(cfg) | ({"asked": self.asked} if self.asked else {})
+            )
         resumed = self.load_state()
         if resumed and self.step >= self.total_steps:
             log.warning(

@@ -188,6 +188,29 @@ def test_training_into_an_existing_run_needs_resume_or_overwrite(capsys, tmp_pat
     assert code == 2 and "--resume: no run in" in err
 
 
+def test_a_run_whose_data_capped_its_recipe_resumes_with_the_same_command_line(
+    capsys, caplog, tmp_path, tiny_model_dir, own_data
+):
+    """More negatives and a bigger batch than the toy data holds: capped with a message, both values
+    recorded, and the command that started the run continues it (before: refused as a changed recipe)."""
+    pairs, _ = own_data
+    n_pairs = len(pairs.read_text().splitlines())
+    out = tmp_path / "run"
+    data = ["--data", str(pairs), "--valid-data", str(pairs), "--base-model", str(tiny_model_dir)]
+    recipe = ["--num-negatives", "500", "--batch-size", "500", "--valid-size", "8", "--valid-candidates", "4"]
+    base = ["train", *data, *recipe, "--eval-every", "2", "--device", "cpu", "-o", str(out)]
+    with caplog.at_level("WARNING"):
+        assert run(capsys, *base, "--max-steps", "2")[0] == 0
+    assert f"--batch-size 500, but the training data has {n_pairs} pairs" in caplog.text
+    recorded = json.loads((out / "train_config.json").read_text())
+    assert recorded["batch_size"] == n_pairs and recorded["num_negatives"] < 500
+    assert recorded["asked"] == {"num_negatives": 500, "batch_size": 500}
+    code, out_text, err = run(capsys, *base, "--max-steps", "3", "--resume")
+    assert code == 0 and json.loads(out_text)["steps"] == 3, err
+    code, _, err = run(capsys, *base, "--max-steps", "4", "--resume", "--num-negatives", "400")
+    assert code == 2 and "--resume: --num-negatives differ from the run" in err
+
+
 def test_own_data_end_to_end_pool_metadata_eval_and_info(capsys, caplog, tmp_path, tiny_core, own_data):
     """Build a bundle from the team's pool (ids and intents kept), calibrate on its pairs, evaluate on its
     own test file against its own pool (no --split), describe the bundle."""
