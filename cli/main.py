@@ -72,6 +72,8 @@ def out_file(text: str) -> str:
     """An argparse type: a file to write whose folder exists, checked before the slow work, not after."""
     if not Path(text).parent.is_dir():
         raise argparse.ArgumentTypeError(f"{Path(text).parent} is not a folder; create it or name another")
+    if Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder; name a file in it")
     return text
 
 
@@ -624,6 +626,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         if args.split not in splits:
             raise CliError(f"--split {args.split!r}: the built-in corpus has {sorted(splits)}")
         cases = splits[args.split]
+    elif args.split != "test":
+        raise CliError(
+            f"--split {args.split}: only the built-in corpus has splits; --data {args.data} is tested whole"
+        )
     else:  # a team's own test file: every pair is a test case
         cases = read_pairs(args.data)
         splits = {"test": cases}

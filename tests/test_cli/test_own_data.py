@@ -53,6 +53,11 @@ def own_data(tmp_path, toy_pairs):
         (["eval", "--bi", "zero-shot", "--out", "e.json", "--candidates", "1"], "--candidates: must be >= 2"),
         (["eval", "--bi", "zero-shot", "--out", "gone/e.json"], "--out: gone is not a folder; create it"),
         (["report", "e.json", "--out", "gone/r.md"], "--out: gone is not a folder; create it"),
+        (["eval", "--bi", "zero-shot", "--out", "."], "--out: . is a folder; name a file in it"),
+        (
+            ["eval", "--bi", "zero-shot", "--out", "e.json", "--data", "p.jsonl", "--split", "valid"],
+            "--split valid: only the built-in corpus has splits; --data p.jsonl is tested whole",
+        ),
         (["index", "build", "-o", "R", "--calibrate", "-1"], "argument --calibrate: must be >= 0"),
         (["index", "build", "-o", "R", "--prior-pairs", "gone.jsonl"], "gone.jsonl: no such file"),
         (
