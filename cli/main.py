@@ -77,6 +77,13 @@ def out_file(text: str) -> str:
     return text
 
 
+def service_url(text: str) -> str:
+    """An argparse type: a service's http(s) address (``coreply chat --url``)."""
+    if not text.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an http(s) address, e.g. http://127.0.0.1:8000")
+    return text
+
+
 def guard_quantile(text: str) -> float | None:
     """An argparse type: 'off', or the restatement guard's quantile in [0.5, 1)."""
     if text == "off":
@@ -982,6 +989,8 @@ def _knowledge_file(path: str) -> list[str]:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError:
         raise CliError(f"--knowledge {path}: not UTF-8 text; save it as UTF-8") from None
+    except OSError as exc:
+        raise CliError(f"--knowledge {path}: cannot read it ({exc.strerror})") from None
     sentences = [line.strip() for line in lines if line.strip()]
     if not sentences:
         raise CliError(f"--knowledge {path}: no sentences (one per line expected)")
@@ -1056,7 +1065,9 @@ def _chat_parser(sub) -> None:
     where.add_argument(
         "--bundle", default=None, help="bundle dir (default: the built-in one, built if missing)"
     )
-    where.add_argument("--url", default=None, help="a running service instead, e.g. http://127.0.0.1:8000")
+    where.add_argument(
+        "--url", type=service_url, default=None, help="a running service instead, e.g. http://127.0.0.1:8000"
+    )
     p.add_argument(
         "--api-key", default=os.environ.get("COREPLY_API_KEY"), help="for --url (env COREPLY_API_KEY)"
     )

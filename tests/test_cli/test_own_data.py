@@ -54,6 +54,11 @@ def own_data(tmp_path, toy_pairs):
         (["eval", "--bi", "zero-shot", "--out", "gone/e.json"], "--out: gone is not a folder; create it"),
         (["report", "e.json", "--out", "gone/r.md"], "--out: gone is not a folder; create it"),
         (["eval", "--bi", "zero-shot", "--out", "."], "--out: . is a folder; name a file in it"),
+        (["chat", "--url", "localhost:8000"], "--url: 'localhost:8000' is not an http(s) address"),
+        (
+            ["chat", "--bundle", "R", "--knowledge", "gone.txt"],
+            "--knowledge gone.txt: cannot read it (No such",
+        ),
         (
             ["eval", "--bi", "zero-shot", "--out", "e.json", "--data", "p.jsonl", "--split", "valid"],
             "--split valid: only the built-in corpus has splits; --data p.jsonl is tested whole",
