@@ -93,9 +93,22 @@ def replace_dir(tmp: Path, final: Path) -> None:
         os.replace(tmp, final)
 
 
+def check_replaceable(final: Path, meta_name: str) -> None:
+    """``final`` is free, an empty folder, or an earlier artifact (it holds ``meta_name``) that a new
+    version may replace; never a file or a folder of something else (a build named after its own input,
+    a folder of one's own), which replacing would delete. Raises ValueError naming it."""
+    if not final.exists() or (final / meta_name).is_file() or (final.is_dir() and not any(final.iterdir())):
+        return
+    raise ValueError(
+        f"{final} exists and holds no {meta_name}, so it is not replaced: name a new path or remove it first"
+    )
+
+
 @contextmanager
-def staging(final: Path) -> Iterator[Path]:
-    """A temporary directory beside ``final``; removed if the block fails."""
+def staging(final: Path, meta_name: str) -> Iterator[Path]:
+    """A temporary directory beside ``final`` (which must be replaceable, :func:`check_replaceable`:
+    checked here, before the work, and again as it is replaced); removed if the block fails."""
+    check_replaceable(final, meta_name)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex}.tmp")
     tmp.mkdir()
@@ -111,12 +124,13 @@ class Busy(ValueError):
 
 
 @contextmanager
-def exclusive(final: Path, what: str) -> Iterator[None]:
-    """Hold the artifact at ``final`` for one read-and-rewrite (``what``: the command, for the message a
-    second writer gets): an advisory lock on ``.NAME.lock`` beside it, which the system frees if the
-    process dies. A second writer is refused at once with :class:`Busy` instead of waiting."""
-    if not final.exists():  # nothing there to change: reading it will say so
-        yield
+def exclusive(final: Path, what: str, meta_name: str) -> Iterator[None]:
+    """Hold the artifact at ``final`` (sealed by ``meta_name``) for one read-and-rewrite (``what``: the
+    command, for the message a second writer gets): an advisory lock on ``.NAME.lock`` beside it, which
+    the system frees if the process dies. A second writer is refused at once with :class:`Busy` instead
+    of waiting."""
+    if not (final / meta_name).is_file():  # no artifact there to change (nor a lock to leave): reading
+        yield  # or staging says why
         return
     with open(final.with_name(f".{final.name}.lock"), "a+", encoding="utf-8") as fh:
         try:
@@ -131,14 +145,14 @@ def exclusive(final: Path, what: str) -> Iterator[None]:
         yield
 
 
-def changes(what: str) -> Callable[[Callable[..., T]], Callable[..., T]]:
+def changes(what: str, meta_name: str) -> Callable[[Callable[..., T]], Callable[..., T]]:
     """Decorate a function whose first argument is an artifact's path and which reads and rewrites it:
     each call runs inside :func:`exclusive`."""
 
     def wrap(fn: Callable[..., T]) -> Callable[..., T]:
         @functools.wraps(fn)
         def run(path: str | Path, *args: Any, **kwargs: Any) -> T:
-            with exclusive(Path(path), what):
+            with exclusive(Path(path), what, meta_name):
                 return fn(path, *args, **kwargs)
 
         return run
@@ -200,6 +214,7 @@ def seal(tmp: Path, final: Path, sealing: Sealing, meta: dict[str, Any]) -> dict
     meta = json.loads(dumps({**meta, "format": sealing.format, "files": files}))  # as a reader parses it
     meta[sealing.version] = sealing.version_of(meta, files)
     write_json_atomic(tmp / sealing.meta_name, meta)
+    check_replaceable(final, sealing.meta_name)
     replace_dir(tmp, final)
     return meta
 

@@ -67,7 +67,7 @@ def save_checkpoint(
     """Save ``model`` to directory ``path`` atomically; returns its content hash.
     ``extra`` is free-form provenance (training command, metrics) stored in ``checkpoint.json``."""
     final = Path(path)
-    with staging(final) as tmp:
+    with staging(final, META) as tmp:
         adapter = lora_settings(model)
         if adapter is None:
             save_weights(model, tmp / WEIGHTS)

@@ -216,7 +216,7 @@ def _model_entry(path: Path, spec: str) -> dict[str, Any]:
     }
 
 
-@changes("coreply index build")
+@changes("coreply index build", MANIFEST)
 def build_bundle(
     out: str | Path,
     texts: Sequence[str],
@@ -298,7 +298,7 @@ def build_bundle(
             raise ValueError(f"pinned rho: {rho.shape} values (finite?) for a pool of {len(pool)} responses")
         pins["prior"]["rho"] = rho_source
     final = Path(out)
-    with staging(final) as tmp:
+    with staging(final, MANIFEST) as tmp:
         bi_model = _place_model(bi, "bi", tmp / "bi", str(torch_device))
         check_index_spec(bi_model.dim, len(pool), factory, search_params)
         cross_model = _place_model(cross, "cross", tmp / "cross", str(torch_device)) if cross else None
@@ -430,7 +430,7 @@ def build_bundle(
         return finish(tmp, final, manifest)
 
 
-@changes("coreply index add")
+@changes("coreply index add", MANIFEST)
 def add_responses(
     path: str | Path, texts: Sequence[str], progress: bool = True, metadata: Sequence[dict[str, Any]] = ()
 ) -> dict[str, Any]:
@@ -466,7 +466,7 @@ def add_responses(
     ]
     import faiss
 
-    with staging(root) as tmp:
+    with staging(root, MANIFEST) as tmp:
         for name in bundle.manifest["files"]:
             if name not in (INDEX, RESPONSES, MANIFEST, PRIOR, LEXICAL) and not name.startswith(f"{TOKENS}/"):
                 link_or_copy(root / name, tmp / name)

@@ -26,7 +26,7 @@ from coreply.text import normalize
 LOG = logging.getLogger(__name__)
 
 
-@changes("coreply index withdraw")
+@changes("coreply index withdraw", MANIFEST)
 def withdraw(
     path: str | Path, ids: Sequence[int] = (), texts: Sequence[str] = (), restore: bool = False
 ) -> tuple[dict[str, Any], int, list[str]]:
@@ -59,7 +59,7 @@ def withdraw(
     ]
     entry = {"count": len(now), "history": history}
     manifest = {**bundle.manifest, "withdrawn": entry}  # finish() writes its files and version anew
-    with staging(root) as tmp:
+    with staging(root, MANIFEST) as tmp:
         for name in bundle.manifest["files"]:
             if name != WITHDRAWN:
                 link_or_copy(root / name, tmp / name)

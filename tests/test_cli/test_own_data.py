@@ -157,6 +157,30 @@ def test_a_corrupted_manifest_names_the_file(capsys, tiny_bundle, tmp_path):
         assert code == 2 and f"{bundle}/manifest.json: not valid UTF-8 JSON" in err, err
 
 
+def test_a_build_never_replaces_what_is_not_an_artifact_of_its_kind(capsys, tmp_path, tiny_core, tiny_bundle):
+    """`-o` naming the pool file itself, or a folder of one's own, deleted it (a bundle took its place);
+    now refused before any work, in one line, the file and folder as they were."""
+    pool = tmp_path / "pool.txt"
+    pool.write_text("hello there\nhow are you\n")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    build = ["index", "build", "--bi", str(tiny_core / "bi"), "--pool", str(pool), "--onnx", "none"]
+    build += ["--lexical", "off", "--calibrate", "0"]
+    for out, meta in ((pool, "manifest.json"), (mine, "manifest.json")):
+        code, _, err = run(capsys, *build, "-o", str(out))
+        assert code == 2 and f"{out} exists and holds no {meta}, so it is not replaced" in err, err
+        assert len(err.strip().splitlines()) == 1, err
+    code, _, err = run(capsys, "compact", str(tiny_core / "cross"), "--out", str(tiny_bundle))
+    assert code == 2 and "holds no checkpoint.json, so it is not replaced" in err, err
+    assert pool.read_text() == "hello there\nhow are you\n" and (mine / "notes.txt").read_text() == "keep"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "pool.txt"]  # nothing left beside them
+    empty = tmp_path / "empty"
+    empty.mkdir()  # an empty folder (a mount point made for it) holds nothing to lose
+    assert run(capsys, *build, "-o", str(empty))[0] == 0 and (empty / "manifest.json").is_file()
+    assert run(capsys, *build, "-o", str(empty))[0] == 0  # and a bundle is replaced by its next version
+
+
 def test_every_train_and_eval_flag_has_help_and_shows_its_default():
     parser = build_parser()
     commands = {a.dest: a for a in parser._actions if a.dest == "command"}["command"].choices

@@ -436,7 +436,7 @@ def test_two_writers_never_change_a_bundle_at_once(copy):
     """A second read-and-rewrite while one runs would write over its change: it is refused, naming the
     first, and goes through once the first is done. A path with no bundle gets no lock file."""
     busy = r"copy: coreply index add \(pid \d+\) is changing it; try again"
-    with exclusive(copy, "coreply index add"), pytest.raises(Busy, match=busy):
+    with exclusive(copy, "coreply index add", "manifest.json"), pytest.raises(Busy, match=busy):
         withdraw(copy, [0])
     assert withdraw(copy, [0])[1] == 1
     with pytest.raises(BundleError, match="not a coreply bundle"):
