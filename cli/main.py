@@ -77,6 +77,13 @@ def out_file(text: str) -> str:
     return text
 
 
+def run_dir(text: str) -> str:
+    """An argparse type: a training run's directory, which may exist, but not as a file."""
+    if Path(text).exists() and not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a file; name a folder for the run")
+    return text
+
+
 def service_url(text: str) -> str:
     """An argparse type: a service's http(s) address (``coreply chat --url``)."""
     if not text.startswith(("http://", "https://")):
@@ -227,7 +234,9 @@ def _train_parser(sub) -> None:
     )
     p.add_argument("--data", default="chitchat", help="'chitchat' (built-in) or a .jsonl/.csv/.json file")
     p.add_argument("--valid-data", default=None, help="validation file (default: the corpus's valid split)")
-    p.add_argument("--output-dir", "-o", required=True, help="run directory (checkpoints bi/ and cross/)")
+    p.add_argument(
+        "--output-dir", "-o", type=run_dir, required=True, help="run directory (checkpoints bi/ and cross/)"
+    )
     again = p.add_mutually_exclusive_group()
     again.add_argument("--resume", action="store_true", help="continue the run already in --output-dir")
     again.add_argument("--overwrite", action="store_true", help="delete the run in --output-dir, start anew")
@@ -323,7 +332,9 @@ def _pretrain_parser(sub) -> None:
     )
     p.add_argument("--objective", choices=["dial-mae"], default="dial-mae", help="post-training objective")
     p.add_argument("--data", default="chitchat", help="'chitchat' (its train split) or a pairs file")
-    p.add_argument("--output-dir", "-o", required=True, help="run directory; the encoder lands in bi/")
+    p.add_argument(
+        "--output-dir", "-o", type=run_dir, required=True, help="run directory; the encoder lands in bi/"
+    )
     p.add_argument("--enc-mask", type=float, default=0.30, help="share of context tokens masked (encoder)")
     p.add_argument("--dec-mask", type=float, default=0.75, help="share of response tokens masked (decoder)")
     p.add_argument("--decoder-layers", type=at_least(1), default=1, help="depth of the throw-away decoder")
@@ -371,7 +382,9 @@ def _ground_parser(sub) -> None:
         help="train a ranker that reads knowledge, and its knowledge retriever by reciprocal learning",
         **DEFAULTS_SHOWN,
     )
-    t.add_argument("--output-dir", "-o", required=True, help="run directory: cross/ (+ knowledge/)")
+    t.add_argument(
+        "--output-dir", "-o", type=run_dir, required=True, help="run directory: cross/ (+ knowledge/)"
+    )
     t.add_argument(
         "--knowledge",
         choices=SELECTIONS,

@@ -96,8 +96,6 @@ def test_train_eval_report_end_to_end(tmp_path, tiny_model_dir, data_file):
         str(run / "cross"),
         "--data",
         str(data_file),
-        "--split",
-        "train",
         "--limit",
         "10",
         "--candidates",

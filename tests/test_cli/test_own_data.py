@@ -173,6 +173,9 @@ def test_a_build_never_replaces_what_is_not_an_artifact_of_its_kind(capsys, tmp_
         assert len(err.strip().splitlines()) == 1, err
     code, _, err = run(capsys, "compact", str(tiny_core / "cross"), "--out", str(tiny_bundle))
     assert code == 2 and "holds no checkpoint.json, so it is not replaced" in err, err
+    for command in (["train"], ["pretrain"], ["ground", "train"]):  # a run's folder named after a file
+        code, _, err = run(capsys, *command, "-o", str(pool))
+        assert code == 2 and f"{pool} is a file; name a folder for the run" in err, err
     assert pool.read_text() == "hello there\nhow are you\n" and (mine / "notes.txt").read_text() == "keep"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "pool.txt"]  # nothing left beside them
     empty = tmp_path / "empty"
