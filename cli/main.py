@@ -11,7 +11,7 @@ import logging
 import os
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any, NoReturn
@@ -727,7 +727,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
     from evaluation.plots import plot_nr_sweep, plot_runs
     from evaluation.report import check_result, check_summary, merge_sweeps, render_markdown
 
-    def read(path: str, check) -> dict:
+    def read(path: str, check: Callable[[Any], None]) -> dict:
         try:
             obj = json.loads(Path(path).read_text())
             check(obj)

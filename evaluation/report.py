@@ -264,8 +264,15 @@ def _is_core(system: str) -> bool:
 
 
 # what render_markdown reads of each input: run_eval's meta and rows, and a training run's summary.json
-_META_KEYS = ("name", "date", "machine", "test_pairs", "pool_size", "candidates_protocol_a")
-_META_KEYS += ("valid_pairs_for_calibration",)
+_META_KEYS = (
+    "name",
+    "date",
+    "machine",
+    "test_pairs",
+    "pool_size",
+    "candidates_protocol_a",
+    "valid_pairs_for_calibration",
+)
 _ROW_KEYS = {"system", "metrics", "ranks"}
 _SUMMARY_KEYS = ("steps", "examples_seen", "train_seconds", "device")
 
