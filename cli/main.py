@@ -78,9 +78,17 @@ def out_file(text: str) -> str:
 
 
 def run_dir(text: str) -> str:
-    """An argparse type: a training run's directory, which may exist, but not as a file."""
-    if Path(text).exists() and not Path(text).is_dir():
+    """An argparse type: a training run's directory, which may exist, but not as a file, a bundle or a
+    checkpoint (the run's files and checkpoints written into one would break its seal)."""
+    from coreply.bundle import MANIFEST
+    from coreply.checkpoint_meta import META
+
+    path = Path(text)
+    if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a file; name a folder for the run")
+    for name, kind in ((MANIFEST, "bundle"), (META, "checkpoint")):
+        if (path / name).is_file():
+            raise argparse.ArgumentTypeError(f"{text} is a {kind} ({name}); name a folder for the run")
     return text
 
 

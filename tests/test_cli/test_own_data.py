@@ -157,9 +157,12 @@ def test_a_corrupted_manifest_names_the_file(capsys, tiny_bundle, tmp_path):
         assert code == 2 and f"{bundle}/manifest.json: not valid UTF-8 JSON" in err, err
 
 
-def test_a_build_never_replaces_what_is_not_an_artifact_of_its_kind(capsys, tmp_path, tiny_core, tiny_bundle):
-    """`-o` naming the pool file itself, or a folder of one's own, deleted it (a bundle took its place);
-    now refused before any work, in one line, the file and folder as they were."""
+def test_nothing_is_written_over_what_is_not_an_artifact_of_its_kind(
+    capsys, tmp_path, tiny_core, tiny_bundle
+):
+    """`-o` naming the pool file itself, or a folder of one's own, deleted it (a bundle took its place),
+    and a run trained into a bundle or a checkpoint broke its seal; now refused before any work, in one
+    line, each as it was."""
     pool = tmp_path / "pool.txt"
     pool.write_text("hello there\nhow are you\n")
     mine = tmp_path / "mine"
@@ -176,6 +179,9 @@ def test_a_build_never_replaces_what_is_not_an_artifact_of_its_kind(capsys, tmp_
     for command in (["train"], ["pretrain"], ["ground", "train"]):  # a run's folder named after a file
         code, _, err = run(capsys, *command, "-o", str(pool))
         assert code == 2 and f"{pool} is a file; name a folder for the run" in err, err
+    for artifact, says in ((tiny_bundle, "bundle (manifest.json)"), (tiny_core / "bi", "checkpoint")):
+        code, _, err = run(capsys, "train", "-o", str(artifact))  # its run files would break the seal
+        assert code == 2 and f"{artifact} is a {says}" in err, err
     assert pool.read_text() == "hello there\nhow are you\n" and (mine / "notes.txt").read_text() == "keep"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "pool.txt"]  # nothing left beside them
     empty = tmp_path / "empty"
