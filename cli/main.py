@@ -634,6 +634,18 @@ def _eval_parser(sub) -> None:
     p.add_argument("--out", type=out_file, required=True, help="JSON file to write")
 
 
+def _not_an_input(out: str, **inputs: str | list[str] | None) -> None:
+    """Refuse an ``--out`` that names one of the command's own input files (``inputs``: flag -> path(s)),
+    which writing the result would destroy."""
+    for flag, paths in inputs.items():
+        for path in [paths] if isinstance(paths, str) else paths or []:
+            if Path(path).exists() and Path(path).resolve() == Path(out).resolve():
+                name = "an input" if flag == "inputs" else "--" + flag.replace("_", "-")
+                raise CliError(
+                    f"--out {out} is the file {name} reads; writing the result there would destroy it"
+                )
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
     from coreply.artifacts import write_json_atomic
     from coreply.checkpoint import read_meta
@@ -645,6 +657,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
     if not args.bi and not args.cross and "bm25" not in args.retriever:
         raise CliError("eval: give --bi, --cross or --retriever bm25")
+    _not_an_input(
+        args.out, data=args.data, valid_data=args.valid_data, pool=args.pool, prior_pairs=args.prior_pairs
+    )
     device = str(resolve_device(args.device))
     for path in (args.bi, args.cross, args.judge if args.judge != "none" else None):  # fail fast
         if path and path != ZERO_SHOT:
@@ -745,6 +760,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
             raise CliError(f"report: {path}: {exc}") from exc
         return obj
 
+    _not_an_input(args.out, inputs=args.inputs, runs=args.runs)
     results = [read(path, check_result) for path in args.inputs]
     names = [r["meta"]["name"] for r in results]
     if args.against is not None and args.against not in names:

@@ -120,6 +120,8 @@ def test_report_refuses_a_json_that_coreply_eval_did_not_write_in_one_line(capsy
         code, _, err = run(capsys, "report", *argv, "--out", "r.md")
         assert code == 2 and says in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "r.md").exists()
+    code, _, err = run(capsys, "report", "ok.json", "--out", "./ok.json")  # the run's result would be lost
+    assert code == 2 and "--out ./ok.json is the file an input reads" in err, err
     code, _, err = run(capsys, "report", "ok.json", "--out", "r.md")
     assert code == 0 and "| Bi-Enc |" in (tmp_path / "r.md").read_text(), err
 
@@ -179,6 +181,8 @@ def test_nothing_is_written_over_what_is_not_an_artifact_of_its_kind(
     for command in (["train"], ["pretrain"], ["ground", "train"]):  # a run's folder named after a file
         code, _, err = run(capsys, *command, "-o", str(pool))
         assert code == 2 and f"{pool} is a file; name a folder for the run" in err, err
+    code, _, err = run(capsys, "eval", "--bi", str(tiny_core / "bi"), "--data", str(pool), "--out", str(pool))
+    assert code == 2 and f"--out {pool} is the file --data reads" in err, err
     for artifact, says in ((tiny_bundle, "bundle (manifest.json)"), (tiny_core / "bi", "checkpoint")):
         code, _, err = run(capsys, "train", "-o", str(artifact))  # its run files would break the seal
         assert code == 2 and f"{artifact} is a {says}" in err, err
