@@ -694,17 +694,22 @@ def _cmd_eval(args: argparse.Namespace) -> int:
                 'give each record a "conversation_id"'
             )
         exclude = conversation_others(test, cases)
+    pool_b = pool_for_eval(pool or responses_of(splits), test, args.pool_limit, args.seed)
+    n_r = tuple(dict.fromkeys(min(n, len(pool_b)) for n in args.n_r))  # no more than the pool holds
+    if n_r != tuple(dict.fromkeys(args.n_r)):
+        asked, used = (" ".join(map(str, values)) for values in (args.n_r, n_r))
+        print(f"note: --n-r {asked} over a pool of {len(pool_b)} responses: n_r {used}")
     spec = EvalSpec(
         name=args.name or Path(args.out).stem,
         bi=args.bi,
         cross=args.cross,
         test=test,
         valid=valid[: args.valid_limit],
-        pool=pool_for_eval(pool or responses_of(splits), test, args.pool_limit, args.seed),
+        pool=pool_b,
         negatives=pool or [p.response for p in cases],
         protocols=tuple(args.protocol),
         retrievers=tuple(args.retriever),
-        n_r=tuple(args.n_r),
+        n_r=n_r,
         candidates=args.candidates,
         seed=args.seed,
         device=device,
