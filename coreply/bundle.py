@@ -188,7 +188,9 @@ def apply_search_params(index, params: str) -> None:
     import faiss
 
     for part in params.split(","):
-        name, _, value = part.partition("=")
+        name, eq, value = part.partition("=")
+        if not eq:
+            raise ValueError(f"--search-params {params!r}: {part!r} is not NAME=VALUE, e.g. efSearch=128")
         try:
             number = float(value)
         except ValueError:

@@ -711,6 +711,8 @@ def test_recall_vs_exact_measures_misses():
     for params in ("nprobe=-1", "nprobe=inf", "nprobe=", "nprobe=4,efSearch=nan"):  # FAISS takes -1 as is
         with pytest.raises(ValueError, match=r"--search-params '.*': \w+ needs a number > 0, not '"):
             apply_search_params(ivf, params)
+    with pytest.raises(ValueError, match=r"'nprobe' is not NAME=VALUE, e.g. efSearch=128$"):
+        apply_search_params(ivf, "nprobe")
 
 
 def faiss_flat(vectors: np.ndarray):
