@@ -93,11 +93,11 @@ def test_nonsense_values_are_refused_in_one_line_naming_the_flag(capsys, tmp_pat
 
 
 def test_report_refuses_a_json_that_coreply_eval_did_not_write_in_one_line(capsys, tmp_path, monkeypatch):
+    from evaluation.metrics import summarize
+
     monkeypatch.chdir(tmp_path)
     meta = dict(name="r", date="2026-12-03", machine="cpu", test_pairs=1, pool_size=2)
     meta |= dict(candidates_protocol_a=2, valid_pairs_for_calibration=0)
-    from evaluation.metrics import summarize
-
     row = {"system": "Bi-Enc", "metrics": summarize([1.0]), "ranks": [1.0]}
     files = {
         "list.json": [],  # a JSON that is no object: a traceback before
@@ -172,9 +172,9 @@ def test_nothing_is_written_over_what_is_not_an_artifact_of_its_kind(
     (mine / "notes.txt").write_text("keep")
     build = ["index", "build", "--bi", str(tiny_core / "bi"), "--pool", str(pool), "--onnx", "none"]
     build += ["--lexical", "off", "--calibrate", "0"]
-    for out, meta in ((pool, "manifest.json"), (mine, "manifest.json")):
+    for out in (pool, mine):
         code, _, err = run(capsys, *build, "-o", str(out))
-        assert code == 2 and f"{out} exists and holds no {meta}, so it is not replaced" in err, err
+        assert code == 2 and f"{out} exists and holds no manifest.json, so it is not replaced" in err, err
         assert len(err.strip().splitlines()) == 1, err
     code, _, err = run(capsys, "compact", str(tiny_core / "cross"), "--out", str(tiny_bundle))
     assert code == 2 and "holds no checkpoint.json, so it is not replaced" in err, err
