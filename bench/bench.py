@@ -64,13 +64,15 @@ def provenance() -> dict[str, str]:
 
 def refuse_below(args: argparse.Namespace, **floors: float) -> None:
     """A one-line exit naming the first flag under its floor (``batch_size=1`` is ``--batch-size``),
-    or ``--out`` where its folder does not exist: before any slow work starts."""
+    or ``--out`` where its folder does not exist or it is one: before any slow work starts."""
     for flag, least in floors.items():
         if (value := getattr(args, flag)) < least:
             raise SystemExit(f"--{flag.replace('_', '-')}: give at least {least}, got {value}")
     out = getattr(args, "out", None)
     if out is not None and not out.parent.is_dir():
         raise SystemExit(f"--out: {out.parent} is not a folder; create it or name another")
+    if out is not None and out.is_dir():
+        raise SystemExit(f"--out: {out} is a folder; name a file in it")
 
 
 def add_pairs_args(p: argparse.ArgumentParser, split: str, start: int, limit: int) -> None:

@@ -142,6 +142,7 @@ def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):
             "--measure: valid:1999:5 overlaps --calibrate",
         ),
         ("rerank_gate.py", ["--bundle", str(tiny_bundle), "--calibrate", "train:0:5"], "--calibrate: "),
+        ("rerank_gate.py", ["--bundle", str(tiny_bundle), "--out", str(tmp_path)], f"--out: {tmp_path} is a"),
         ("rerank_gate.py", ["--bundle", str(tiny_bundle), "--n-r", "10", "0"], "--n-r: "),
         ("rerank_ensemble.py", ["--bundle", str(tmp_path), "--cross", str(tmp_path)], "--bundle: "),
         (
