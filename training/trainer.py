@@ -202,18 +202,23 @@ class Trainer:
             )
             self.asked["num_negatives"] = config.num_negatives
             config = replace(config, num_negatives=self.sampler.capacity)
-        micro_batches = config.grad_accum * self.world  # a global batch is batch_size of each
-        if config.batch_size * micro_batches > len(train) >= micro_batches:
+        if config.batch_size * config.grad_accum * self.world > len(train):  # a step past one pass
+            grad_accum = min(config.grad_accum, max(1, len(train) // self.world))
+            batch_size = max(1, len(train) // (grad_accum * self.world))
             log.warning(
-                "--batch-size %d, but the training data has %d pairs for the %d batch(es) of a step "
-                "(--grad-accum x processes): --batch-size %d",
+                "--batch-size %d x --grad-accum %d x %d process(es), but the training data has %d pairs: "
+                "--batch-size %d, --grad-accum %d",
                 config.batch_size,
+                config.grad_accum,
+                self.world,
                 len(train),
-                micro_batches,
-                len(train) // micro_batches,
+                batch_size,
+                grad_accum,
             )
-            self.asked["batch_size"] = config.batch_size
-            config = replace(config, batch_size=len(train) // micro_batches)
+            for key, used in (("batch_size", batch_size), ("grad_accum", grad_accum)):
+                if getattr(config, key) != used:
+                    self.asked[key] = getattr(config, key)
+            config = replace(config, batch_size=batch_size, grad_accum=grad_accum)
         self.cfg = config
         self.device = resolve_device(config.device)
         if self.world > 1 and self.device.type == "cuda":

@@ -238,7 +238,7 @@ def test_training_into_an_existing_run_needs_resume_or_overwrite(capsys, tmp_pat
 def test_a_run_whose_data_capped_its_recipe_resumes_with_the_same_command_line(
     capsys, caplog, tmp_path, tiny_model_dir, own_data
 ):
-    """More negatives and a bigger batch than the toy data holds: capped with a message, both values
+    """More negatives and a bigger step than the toy data holds: capped with a message, both values
     recorded, and the command that started the run continues it (before: refused as a changed recipe)."""
     pairs, _ = own_data
     n_pairs = len(pairs.read_text().splitlines())
@@ -248,7 +248,8 @@ def test_a_run_whose_data_capped_its_recipe_resumes_with_the_same_command_line(
     base = ["train", *data, *recipe, "--eval-every", "2", "--device", "cpu", "-o", str(out)]
     with caplog.at_level("WARNING"):
         assert run(capsys, *base, "--max-steps", "2")[0] == 0
-    assert f"--batch-size 500, but the training data has {n_pairs} pairs" in caplog.text
+    said = f"--batch-size 500 x --grad-accum 1 x 1 process(es), but the training data has {n_pairs} pairs"
+    assert said in caplog.text
     recorded = json.loads((out / "train_config.json").read_text())
     assert recorded["batch_size"] == n_pairs and recorded["num_negatives"] < 500
     assert recorded["asked"] == {"num_negatives": 500, "batch_size": 500}
@@ -256,6 +257,13 @@ def test_a_run_whose_data_capped_its_recipe_resumes_with_the_same_command_line(
     assert code == 0 and json.loads(out_text)["steps"] == 3, err
     code, _, err = run(capsys, *base, "--max-steps", "4", "--resume", "--num-negatives", "400")
     assert code == 2 and "--resume: --num-negatives differ from the run" in err
+    # more micro-batches a step than pairs: each step was counted as 100 examples and saw the data once
+    more = ["train", *data, "--batch-size", "2", "--grad-accum", "100", "--max-steps", "2", "--device", "cpu"]
+    code, out_text, err = run(capsys, *more, "--valid-size", "0", "-o", str(tmp_path / "accum"))
+    assert code == 0 and json.loads(out_text)["examples_seen"] == 2 * n_pairs, err
+    recorded = json.loads((tmp_path / "accum" / "train_config.json").read_text())
+    assert (recorded["batch_size"], recorded["grad_accum"]) == (1, n_pairs)
+    assert recorded["asked"] == {"num_negatives": 32, "batch_size": 2, "grad_accum": 100}
 
 
 def test_own_data_end_to_end_pool_metadata_eval_and_info(capsys, caplog, tmp_path, tiny_core, own_data):
