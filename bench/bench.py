@@ -26,6 +26,7 @@ import platform
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -40,6 +41,7 @@ from coreply.text import normalize
 from evaluation.metrics import paired_bootstrap
 
 if TYPE_CHECKING:
+    from coreply.bundle import Bundle
     from coreply.responder import Responder
 
 
@@ -66,7 +68,7 @@ def refuse_below(args: argparse.Namespace, **floors: float) -> None:
     """A one-line exit naming the first flag under its floor (``batch_size=1`` is ``--batch-size``),
     or ``--out`` where its folder does not exist or it is one: before any slow work starts."""
     for flag, least in floors.items():
-        if (value := getattr(args, flag)) < least:
+        if not (value := getattr(args, flag)) >= least:  # NaN too
             raise SystemExit(f"--{flag.replace('_', '-')}: give at least {least}, got {value}")
     out = getattr(args, "out", None)
     if out is not None and not out.parent.is_dir():
@@ -103,6 +105,16 @@ def responder(path: str, **options) -> Responder:
 
     try:
         return Responder.load(path, **options)
+    except (OSError, ValueError) as exc:  # a BundleError too
+        raise SystemExit(f"--bundle: {exc}") from None
+
+
+def open_bundle(path: str) -> Bundle:
+    """``load_bundle(path)``, or a one-line exit naming ``--bundle`` with why it did not load."""
+    from coreply.bundle import load_bundle
+
+    try:
+        return load_bundle(path)
     except (OSError, ValueError) as exc:  # a BundleError too
         raise SystemExit(f"--bundle: {exc}") from None
 
@@ -148,9 +160,16 @@ def free_port() -> int:
 
 
 class Server:
-    """``coreply serve`` in a subprocess."""
+    """``coreply serve`` in a subprocess; a one-line exit naming ``--bundle`` where it is not a bundle, or
+    saying why the server stopped before it was ready (the last line it wrote)."""
 
     def __init__(self, bundle: str, threads: int, env: dict[str, str] | None = None) -> None:
+        from coreply.bundle import BundleError, read_manifest
+
+        try:
+            read_manifest(Path(bundle))
+        except BundleError as exc:
+            raise SystemExit(f"--bundle: {exc}") from None
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "COREPLY_MAX_CANDIDATES": "200", "COREPLY_QUEUE_MAX": "1024"} | {
@@ -159,15 +178,21 @@ class Server:
         }
         cmd = [sys.executable, "-m", "cli", "serve", "--bundle", bundle, "--port", str(self.port)]
         cmd += ["--threads", str(threads)]
-        self.process = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "/readyz", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.3)
-        raise TimeoutError("server did not become ready")
+        with tempfile.TemporaryFile() as log:  # the server's own copy outlives this one
+            self.process = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log)
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline:
+                if (code := self.process.poll()) is not None:
+                    log.seek(0)
+                    last = (log.read().decode(errors="replace").strip().splitlines() or ["no output"])[-1]
+                    raise SystemExit(f"coreply serve --bundle {bundle} exited ({code}): {last}")
+                try:
+                    if httpx.get(self.url + "/readyz", timeout=1).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    time.sleep(0.3)
+        self.stop()
+        raise SystemExit(f"coreply serve --bundle {bundle} was not ready in 300 s")
 
     def stop(self) -> None:
         self.process.terminate()

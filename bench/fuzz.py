@@ -22,7 +22,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from bench import Server, provenance  # bench/bench.py: this script's directory is on sys.path
+from bench import Server, provenance, refuse_below  # bench/bench.py: this script's directory is on sys.path
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 
@@ -31,8 +31,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bundle", required=True)
     p.add_argument("--cases", type=int, default=10_000, help="generated requests for POST /respond")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
+    refuse_below(args, cases=1)
 
     server = Server(args.bundle, threads=1)
     codes: Counter[str] = Counter()
@@ -72,7 +73,7 @@ def main() -> None:
         "other_5xx": sum(n for k, n in codes.items() if k.split()[-1].startswith("5")) - deadline_504s[0],
         "failures": failures,
     }
-    Path(args.out).write_text(json.dumps(report, indent=2))
+    args.out.write_text(json.dumps(report, indent=2))
     summary = {k: v for k, v in report.items() if k != "failures"} | {"failures": len(failures)}
     print(json.dumps(summary, indent=2))
 

@@ -7,11 +7,8 @@ own vectors and real query embeddings (the chitchat test contexts).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import platform
-import sys
 import time
 from pathlib import Path
 
@@ -19,7 +16,12 @@ import numpy as np
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from coreply.bundle import apply_search_params, load_bundle, make_backend
+from bench import (
+    open_bundle,
+    provenance,
+    refuse_below,
+)  # bench/bench.py: this script's directory is on sys.path
+from coreply.bundle import apply_search_params, make_backend
 from coreply.corpus import load_chitchat
 from index_builder.faiss_index import make_index, recall_vs_exact
 
@@ -39,13 +41,14 @@ def main() -> None:
     p.add_argument("--bundle", required=True)
     p.add_argument("--queries", type=int, default=200)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
+    refuse_below(args, queries=1, threads=1)
 
     import faiss
 
     faiss.omp_set_num_threads(args.threads)
-    bundle = load_bundle(args.bundle)
+    bundle = open_bundle(args.bundle)
     vectors = bundle.index.reconstruct_n(0, bundle.index.ntotal)  # [N, D]
     contexts = [list(pair.context) for pair in load_chitchat()["test"][: args.queries]]
     queries = make_backend(bundle, threads=args.threads).encode_contexts(contexts)  # [Q, D]
@@ -71,14 +74,12 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     result = {
-        "date": dt.date.today().isoformat(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} vCPUs, {platform.platform()}",
-        "command": " ".join(sys.argv),
+        **provenance(),
         "count": int(bundle.index.ntotal),
         "dim": int(bundle.index.d),
         "rows": rows,
     }
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    args.out.write_text(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from bench import (  # bench/bench.py: this script's directory is on sys.path
     load,
     percentiles,
     provenance,
+    refuse_below,
     respond_body,
 )
 
@@ -85,8 +86,11 @@ def main() -> None:
         help="fusion of every request (default: none named, the bundle's own answers)",
     )
     p.add_argument("--cascade", action="store_true", help="leave the load-adaptive cascade on")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
+    refuse_below(args, factor=0.01, seconds=1, queue_max=1, n_r=1)
+    if args.rps is not None:
+        refuse_below(args, rps=0.01)
 
     from coreply.corpus import load_chitchat
 
@@ -114,7 +118,7 @@ def main() -> None:
         "cascade": args.cascade,
         **result,
     }
-    Path(args.out).write_text(json.dumps(report, indent=2))
+    args.out.write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
 
 

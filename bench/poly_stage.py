@@ -20,11 +20,13 @@ import os
 import platform
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from coreply.bundle import IndexRetriever
+from bench import refuse_below  # bench/bench.py: this script's directory is on sys.path
+from coreply.bundle import BundleError, IndexRetriever, read_manifest, rerank_stage
 from coreply.ranking import Candidates, Pipeline, Query
 
 
@@ -38,13 +40,22 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (the service's default)")
     p.add_argument("--bundle", default=None, help="also time whole requests on this (poly) bundle")
     p.add_argument("--bundle-pool", type=int, default=20_000)
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
-    for flag in ("pool", "dim", "n_r", "requests", "threads"):
-        if getattr(args, flag) < 1:
-            p.error(f"--{flag.replace('_', '-')} must be >= 1")
+    refuse_below(args, pool=1, dim=1, n_r=1, requests=1, threads=1, bundle_pool=1)
     if args.n_r > args.pool or min(args.codes) < 1:
         p.error("--n-r must be <= --pool and every --codes value >= 1")
+    if args.bundle and Path(args.bundle).exists():  # checked before the timing, not after it
+        try:
+            stage = rerank_stage(read_manifest(Path(args.bundle)))
+        except BundleError as exc:
+            raise SystemExit(f"--bundle: {exc}") from None
+        if stage != "poly":
+            raise SystemExit(
+                f"--bundle {args.bundle}: its rerank stage is {stage}, not poly; name a new folder"
+            )
+    elif args.bundle and not Path(args.bundle).parent.is_dir():
+        raise SystemExit(f"--bundle: {Path(args.bundle).parent} is not a folder; create it or name another")
 
     import faiss
 
@@ -99,7 +110,6 @@ def main() -> None:
 def engine_added_ms(args: argparse.Namespace) -> dict:
     """Median request time in the engine with and without the poly stage, alternating per context."""
     import asyncio
-    from pathlib import Path
 
     from coreply.corpus import build_pool, load_chitchat
     from coreply.ranking import Query
@@ -115,7 +125,6 @@ def engine_added_ms(args: argparse.Namespace) -> dict:
         bundle=Path(args.bundle), threads=args.threads, max_candidates=args.n_r, cascade=False
     )
     engine = load_engine(settings, Metrics())
-    assert engine.pipeline.reranker == "poly", "the bundle's rerank stage is not the poly stage"
 
     async def run() -> dict[str, list[float]]:
         await engine.start()
@@ -142,7 +151,6 @@ def engine_added_ms(args: argparse.Namespace) -> dict:
 def make_poly_bundle(out: str, pool: list[str]) -> None:
     """all-MiniLM-L6-v2 as a Poly-encoder with 16 untrained codes, int8 ONNX, exact index."""
     import tempfile
-    from pathlib import Path
 
     from coreply.checkpoint import save_checkpoint
     from coreply.config import ModelConfig

@@ -14,7 +14,8 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from coreply.bundle import load_bundle, make_backend, pipeline
+from bench import open_bundle, refuse_below  # bench/bench.py: this script's directory is on sys.path
+from coreply.bundle import make_backend, pipeline
 from coreply.corpus import load_chitchat
 from evaluation.metrics import summarize
 from evaluation.protocols import ranks_for, retrieve_and_rerank
@@ -35,7 +36,8 @@ def main() -> None:
     p.add_argument("--limit", type=int, default=2000)
     p.add_argument("--reference", action="store_true", help="also re-encode the pool with PyTorch fp32")
     args = p.parse_args()
-    bundle = load_bundle(args.bundle)
+    refuse_below(args, limit=1)
+    bundle = open_bundle(args.bundle)
     pairs = load_chitchat()["test"][: args.limit]
     served = make_backend(bundle, threads=2)
     result = {f"served ({bundle.manifest['encoder']})": summarize(ranks(served, bundle.index, bundle, pairs))}

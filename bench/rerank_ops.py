@@ -20,7 +20,8 @@ import numpy as np
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from coreply.bundle import BundleError, IndexRetriever, load_bundle, make_backend
+from bench import open_bundle  # bench/bench.py: this script's directory is on sys.path
+from coreply.bundle import IndexRetriever, make_backend
 from coreply.corpus import load_chitchat
 from coreply.inference import ONNX_FILES, OnnxBackend, _session
 from coreply.tokenization import score_by_tokens
@@ -36,10 +37,7 @@ def main() -> None:
     args = p.parse_args()
     if min(args.n_r, args.requests, args.threads, args.rounds) < 1:
         raise SystemExit("--n-r, --requests, --threads and --rounds must be >= 1")
-    try:
-        bundle = load_bundle(args.bundle)
-    except BundleError as exc:
-        raise SystemExit(f"--bundle: {exc}") from None
+    bundle = open_bundle(args.bundle)
     backend = make_backend(bundle, "onnx", threads=args.threads)
     if not isinstance(backend, OnnxBackend) or backend.cross is None or backend.cross_tokenizer is None:
         raise SystemExit(f"--bundle {args.bundle}: needs a reranker exported to ONNX")

@@ -15,10 +15,12 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+from pathlib import Path
 
 import numpy as np
 
-from coreply.bundle import load_bundle, make_backend
+from bench import open_bundle, refuse_below  # bench/bench.py: this script's directory is on sys.path
+from coreply.bundle import make_backend
 from coreply.corpus import load_chitchat
 from coreply.prior import DEPTH, REFERENCE, Prior, neighbourhood, own_conversations, reference_sample
 from coreply.text import normalize
@@ -33,9 +35,12 @@ def main() -> None:
     p.add_argument("--ks", type=int, nargs="+", default=[10, 50])
     p.add_argument("--alphas", type=float, nargs="+", default=[0.25, 0.5, 0.75, 1.0])
     p.add_argument("--reference", type=int, default=REFERENCE, help="training contexts sampled")
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
-    bundle = load_bundle(args.bundle)
+    refuse_below(args, limit=1, reference=1)
+    if min(args.ks) < 1 or not all(0 <= a < float("inf") for a in args.alphas):
+        raise SystemExit("--ks: each at least 1; --alphas: each a number >= 0")
+    bundle = open_bundle(args.bundle)
     backend = make_backend(bundle, threads=2)
     vectors = bundle.index.reconstruct_n(0, bundle.index.ntotal)  # [N, D]
     splits = load_chitchat()

@@ -39,9 +39,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench import provenance  # bench/bench.py: this script's directory is on sys.path
+from bench import open_bundle, provenance  # bench/bench.py: this script's directory is on sys.path
 from coreply.artifacts import write_json_atomic
-from coreply.bundle import BF16_PASS, TorchExactIndex, load_bundle
+from coreply.bundle import BF16_PASS, TorchExactIndex
 from coreply.device import cpu_has_bf16_dot, set_threads
 
 
@@ -53,10 +53,7 @@ def pool_and_queries(args: argparse.Namespace) -> tuple[np.ndarray, np.ndarray]:
         from coreply.bundle import make_backend
         from coreply.corpus import load_chitchat
 
-        try:
-            bundle = load_bundle(args.bundle)
-        except (OSError, ValueError) as exc:
-            raise SystemExit(f"--bundle: {exc}") from None
+        bundle = open_bundle(args.bundle)
         contexts = [pair.context for pair in load_chitchat()["test"][:wanted]]
         if len(contexts) < wanted:
             raise SystemExit(

@@ -27,8 +27,8 @@ from torch.profiler import ProfilerActivity, profile
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 # bench/bench.py: this script's directory is on sys.path
-from bench import device_busy_share, operators, provenance
-from coreply.bundle import BACKENDS, BundleError, load_bundle, make_backend, pipeline, search_on
+from bench import device_busy_share, open_bundle, operators, provenance
+from coreply.bundle import BACKENDS, make_backend, pipeline, search_on
 from coreply.corpus import load_chitchat
 from coreply.device import resolve_device
 from coreply.ranking import Pipeline, Query
@@ -77,10 +77,7 @@ def main() -> None:
         cuda = resolve_device(args.device).type == "cuda"
     except ValueError as exc:
         raise SystemExit(f"--device: {exc}") from None
-    try:
-        bundle = search_on(load_bundle(args.bundle), args.device)
-    except BundleError as exc:
-        raise SystemExit(f"--bundle: {exc}") from None
+    bundle = search_on(open_bundle(args.bundle), args.device)
     backend = make_backend(bundle, args.backend, args.threads, args.device, packed=not args.padded)
     ranking = pipeline(bundle, backend)
     if args.no_lexical:

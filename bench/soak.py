@@ -17,7 +17,12 @@ from pathlib import Path
 
 import httpx
 
-from bench import Server, percentiles, provenance  # bench/bench.py: this script's directory is on sys.path
+from bench import (  # bench/bench.py: this script's directory is on sys.path
+    Server,
+    percentiles,
+    provenance,
+    refuse_below,
+)
 
 
 def rss_mb(pid: int) -> float:
@@ -73,8 +78,11 @@ def main() -> None:
     p.add_argument("--minutes", type=float, default=60.0)
     p.add_argument("--window-s", type=float, default=60.0)
     p.add_argument("--concurrency", type=int, default=2)
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
+    refuse_below(args, window_s=1, concurrency=1)
+    if not args.minutes * 60 >= args.window_s:
+        raise SystemExit(f"--minutes {args.minutes}: shorter than one --window-s window; give a longer run")
 
     from coreply.corpus import load_chitchat
 
@@ -96,7 +104,7 @@ def main() -> None:
         "errors": last["errors_so_far"],
         "windows": windows,
     }
-    Path(args.out).write_text(json.dumps(report, indent=2))
+    args.out.write_text(json.dumps(report, indent=2))
     print(json.dumps({k: v for k, v in report.items() if k != "windows"}, indent=2))
 
 

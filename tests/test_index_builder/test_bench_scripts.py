@@ -1,6 +1,7 @@
 """The benchmark scripts on the tiny models: CPU smoke runs that keep them working (for a GPU lease too)."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -213,13 +214,29 @@ def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):
             ["--bi", str(tmp_path), str(tiny_core), "--out", str(tmp_path / "no/x.json")],
             "--out: ",
         ),
+        # the scripts that start a server: refused before it starts, not after a 300 s wait for it
+        ("fuzz.py", ["--bundle", str(tmp_path), "--out", str(other)], "--bundle: "),
+        ("fuzz.py", ["--bundle", str(tiny_bundle), "--cases", "0", "--out", str(other)], "--cases: "),
+        ("load.py", ["--bundle", str(tmp_path), "--out", str(other)], "--bundle: "),
+        ("load.py", ["--bundle", str(tiny_bundle), "--seconds", "nan", "--out", str(other)], "--seconds: "),
+        ("load.py", ["--bundle", str(tiny_bundle), "--rps", "-3", "--out", str(other)], "--rps: "),
+        ("soak.py", ["--bundle", str(tiny_bundle), "--out", str(tmp_path)], f"--out: {tmp_path} is a"),
+        ("soak.py", ["--bundle", str(tiny_bundle), "--minutes", "0.5", "--out", str(other)], "--minutes "),
+        ("index_bench.py", ["--bundle", str(tmp_path), "--out", str(other)], "--bundle: "),
+        ("index_bench.py", ["--bundle", str(tiny_bundle), "--out", str(tmp_path / "no/x.json")], "--out: "),
+        ("response_prior.py", ["--bundle", str(tmp_path)], "--bundle: "),
+        ("response_prior.py", ["--alphas", "nan"], "--ks: "),
+        ("quality.py", ["--bundle", str(tmp_path)], "--bundle: "),
+        ("poly_stage.py", ["--bundle", str(tiny_bundle)], f"--bundle {tiny_bundle}: "),  # cross, not poly
+        ("poly_stage.py", ["--bundle", str(tmp_path / "no/poly")], "--bundle: "),
+        ("poly_stage.py", ["--n-r", "0"], "--n-r: "),
     )
 
     def refused(case: tuple[str, list[str], str]) -> str:
         """'' when the script refused its bad flag in one line naming it, else what it did."""
         script, args, flag = case
         run = subprocess.run(
-            [sys.executable, str(ROOT / "bench" / script), *args], capture_output=True, text=True
+            [sys.executable, str(ROOT / "bench" / script), *args], capture_output=True, text=True, timeout=120
         )
         ok = run.returncode != 0 and run.stderr.startswith(flag) and len(run.stderr.splitlines()) == 1
         return "" if ok else f"{script} {args}: {run.stderr}"
@@ -227,6 +244,21 @@ def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):
     with ThreadPoolExecutor(2) as pool:  # each run is mostly its imports: two at a time, the cores busy
         failures = [why for why in pool.map(refused, cases) if why]
     assert not failures, failures
+
+
+def test_a_server_that_stops_before_it_is_ready_is_said_in_one_line(tmp_path, tiny_bundle):
+    """Before, the script waited 300 s for a dead server and ended in a TimeoutError traceback."""
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "load.py"), "--bundle", str(tiny_bundle), "--out",
+         str(tmp_path / "load.json")],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "COREPLY_MAX_TURNS": "0"},
+    )  # fmt: skip
+    assert run.returncode != 0 and len(run.stderr.splitlines()) == 1, run.stderr
+    assert (
+        run.stderr.startswith(f"coreply serve --bundle {tiny_bundle} exited (2): ")
+        and "COREPLY_MAX_TURNS" in run.stderr
+    )
+    assert not (tmp_path / "load.json").exists()
 
 
 def test_rerank_gate_chooses_gates_on_one_span_and_scores_them_on_others(tmp_path, tiny_bundle):
