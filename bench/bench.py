@@ -356,8 +356,11 @@ def main() -> None:
         help="each client's pause after an answer, as a user reads and types (the peer's too); "
         "requests/s then counts the pauses",
     )
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
+    refuse_below(args, requests=1, threads=0)
+    if min(args.n_r + args.concurrency) < 1:
+        raise SystemExit(f"--n-r, --concurrency: each at least 1, got {args.n_r} and {args.concurrency}")
     if not 0 <= args.think_ms < float("inf"):  # NaN too
         raise SystemExit(f"--think-ms must be a number of milliseconds >= 0, got {args.think_ms}")
     if args.fusion == "retrieval":
@@ -423,7 +426,7 @@ def main() -> None:
     result = {**provenance(), "bundle": ready, "peer_cross": args.peer_cross, "think_ms": args.think_ms,
               "peer_pool": args.peer_pool, "peer_pool_encode_s": peer.pool_encode_s if peer else None,
               "rows": rows}  # fmt: skip
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    args.out.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")
 
 

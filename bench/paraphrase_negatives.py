@@ -23,9 +23,11 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+from pathlib import Path
 
 import numpy as np
 
+from bench import refuse_below  # bench/bench.py: this script's directory is on sys.path
 from coreply.checkpoint import load_bi
 from coreply.config import ZERO_SHOT, ModelConfig
 from coreply.corpus import build_pool, load_chitchat
@@ -45,8 +47,9 @@ def main() -> None:
     ap.add_argument("--num-negatives", type=int, default=15)
     ap.add_argument("--hard-pool", type=int, default=20000)
     ap.add_argument("--paraphrase-floor", type=float, default=0.0, help="coreply train's, [0, 1)")
-    ap.add_argument("--out", help="write the numbers here as JSON")
+    ap.add_argument("--out", type=Path, help="write the numbers here as JSON")
     args = ap.parse_args()
+    refuse_below(args, hard_pool=1)
     if args.batches < 1 or not 0 < args.paraphrase_negatives <= args.num_negatives:
         ap.error("--batches must be >= 1 and --paraphrase-negatives in [1, --num-negatives]")
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import refuse_below  # bench/bench.py: this script's directory is on sys.path
 from coreply.checkpoint import load_bi
 from coreply.corpus import build_pool, load_chitchat, responses_of
 from coreply.inference import INT8_VARIANTS, ONNX_FILES, OnnxBackend, export_onnx, quantize_graph
@@ -40,8 +41,9 @@ def main() -> None:
     p.add_argument("--pool", type=int, default=20_000, help="sub-pool size (golds + a random sample)")
     p.add_argument("--variants", nargs="+", default=list(INT8_VARIANTS), choices=list(INT8_VARIANTS))
     p.add_argument("--single", type=int, default=200, help="contexts timed one at a time")
-    p.add_argument("--out", default=None, help="JSON file to write")
+    p.add_argument("--out", type=Path, default=None, help="JSON file to write")
     args = p.parse_args()
+    refuse_below(args, limit=1, single=1)
 
     splits = load_chitchat()
     pairs = splits[args.split][: args.limit]

@@ -36,11 +36,12 @@ import datetime as dt
 import json
 import platform
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from bench import responder  # bench/bench.py: this script's directory is on sys.path
+from bench import refuse_below, responder  # bench/bench.py: this script's directory is on sys.path
 from coreply.bundle import BACKENDS
 from coreply.checkpoint import load_bi
 from coreply.config import ZERO_SHOT
@@ -146,7 +147,7 @@ def main() -> None:
     p.add_argument("--split", default="test", choices=["valid", "test"])
     p.add_argument("--limit", type=int, default=2000, help="N pairs of the split, from --start")
     p.add_argument("--single", type=int, default=200, help="contexts timed one at a time")
-    p.add_argument("--out", default=None, help="JSON file to write")
+    p.add_argument("--out", type=Path, default=None, help="JSON file to write")
     p.add_argument("--against", nargs="+", default=[], help="other runs' --out files (same split and limit)")
     p.add_argument("--quantiles", type=float, nargs="+", default=[], help="sweep the guard's quantile")
     p.add_argument("--start", type=int, default=0, help="skip the split's first N pairs")
@@ -159,6 +160,7 @@ def main() -> None:
         help=f"rerank and fuse by each of {', '.join(allowed)} (default: as served, the bundle's default)",
     )
     args = p.parse_args()
+    refuse_below(args, limit=1, single=1)
     if args.start < 0:
         p.error(f"--start must be >= 0, got {args.start}")
     if args.backend not in BACKENDS:

@@ -43,7 +43,12 @@ from torch.profiler import ProfilerActivity, profile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-from bench import device_busy_share, operators, provenance  # bench/bench.py: this directory is on sys.path
+from bench import (  # bench/bench.py: this directory is on sys.path
+    device_busy_share,
+    operators,
+    provenance,
+    refuse_below,
+)
 from coreply.artifacts import write_json_atomic
 from coreply.checkpoint import save_checkpoint
 from coreply.config import ModelConfig
@@ -244,8 +249,9 @@ def main() -> None:
     p.add_argument("--profile", type=int, default=0, help="then N steps under torch.profiler, per row")
     p.add_argument("--pairs", type=int, default=0, help="use the first N training pairs (0 = all 118,111)")
     p.add_argument("--device", default="auto")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
+    refuse_below(args)  # --out
     if min(args.steps, args.batch_size, args.num_negatives) < 1:
         raise SystemExit("train_speed: --steps, --batch-size and --num-negatives must be >= 1")
     if min(args.warmup, args.pairs, args.max_batch_tokens, args.profile) < 0:
@@ -329,7 +335,7 @@ def main() -> None:
                 for op in prof["operators"][:8]:
                     ms = f"{op['self_device_ms']:>8} device / {op['self_host_ms']:>8} host ms a step"
                     print(f"  {op['op'][:48]:<48} {op['calls_per_batch']:>7} calls {ms}")
-            write_json_atomic(Path(args.out), result)  # after every row: a run cut off keeps what it measured
+            write_json_atomic(args.out, result)  # after every row: a run cut off keeps what it measured
     print(f"wrote {args.out}")
 
 
