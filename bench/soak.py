@@ -25,11 +25,17 @@ from bench import (  # bench/bench.py: this script's directory is on sys.path
 )
 
 
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS")
+def rss_mb(pid: int) -> float | None:
+    """The process's resident memory in MB; None once it has exited."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except FileNotFoundError:
+        return None
+    return next((int(line.split()[1]) / 1024 for line in lines if line.startswith("VmRSS:")), None)
+
+
+def change(first: float | None, last: float | None) -> float | None:
+    return None if first is None or last is None else round(last - first, 1)
 
 
 async def soak(server: Server, contexts: list[list[str]], minutes: float, window_s: float, clients: int):
@@ -38,13 +44,20 @@ async def soak(server: Server, contexts: list[list[str]], minutes: float, window
     errors = 0
     stop = time.monotonic() + 60 * minutes
 
+    def going() -> bool:  # a server that exits ends the run early: its windows and errors are the result
+        return time.monotonic() < stop and server.process.poll() is None
+
     async def client_loop(client: httpx.AsyncClient, offset: int) -> None:
         nonlocal errors
         i = offset
-        while time.monotonic() < stop:
+        while going():
             start = time.perf_counter()
-            r = await client.post(server.url + "/respond", json={"context": contexts[i % len(contexts)]})
-            if r.status_code == 200:
+            try:
+                r = await client.post(server.url + "/respond", json={"context": contexts[i % len(contexts)]})
+                ok = r.status_code == 200
+            except httpx.HTTPError:  # refused, reset or timed out: counted, and the run goes on
+                ok = False
+            if ok:
                 latencies.append(1000 * (time.perf_counter() - start))
             else:
                 errors += 1
@@ -52,14 +65,14 @@ async def soak(server: Server, contexts: list[list[str]], minutes: float, window
 
     async def sampler() -> None:
         begin = time.monotonic()
-        while time.monotonic() < stop:
+        while going():
             await asyncio.sleep(window_s)
             batch = latencies[:]
             latencies.clear()
             windows.append(
                 {
                     "t_s": round(time.monotonic() - begin),
-                    "rss_mb": round(rss_mb(server.process.pid), 1),
+                    "rss_mb": None if (rss := rss_mb(server.process.pid)) is None else round(rss, 1),
                     "requests": len(batch),
                     "latency_ms": percentiles(batch) if batch else None,
                     "errors_so_far": errors,
@@ -91,21 +104,28 @@ def main() -> None:
     try:
         start_rss = rss_mb(server.process.pid)
         windows = asyncio.run(soak(server, contexts, args.minutes, args.window_s, args.concurrency))
+        exited = server.process.poll()
     finally:
         server.stop()
+    if not windows:
+        raise SystemExit(f"coreply serve exited ({exited}) before the first --window-s window ended")
     first, last = windows[0], windows[-1]
+    p50 = [w["latency_ms"]["p50"] if w["latency_ms"] else None for w in (first, last)]
     report = {
         **provenance(),
         "minutes": args.minutes,
         "concurrency": args.concurrency,
         "rss_mb_ready": round(start_rss, 1),
-        "rss_growth_mb_first_to_last_window": round(last["rss_mb"] - first["rss_mb"], 1),
-        "p50_drift_ms_first_to_last_window": round(last["latency_ms"]["p50"] - first["latency_ms"]["p50"], 1),
+        "rss_growth_mb_first_to_last_window": change(first["rss_mb"], last["rss_mb"]),
+        "p50_drift_ms_first_to_last_window": change(*p50),
         "errors": last["errors_so_far"],
+        "server_exit_code": exited,  # None: it served to the end
         "windows": windows,
     }
     args.out.write_text(json.dumps(report, indent=2))
     print(json.dumps({k: v for k, v in report.items() if k != "windows"}, indent=2))
+    if exited is not None:
+        raise SystemExit(f"coreply serve exited ({exited}) after {last['t_s']} s; see {args.out}")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -263,6 +264,39 @@ def test_a_server_that_stops_before_it_is_ready_is_said_in_one_line(tmp_path, ti
         and "COREPLY_MAX_TURNS" in run.stderr
     )
     assert not (tmp_path / "load.json").exists()
+
+
+def test_a_soak_whose_server_dies_keeps_its_windows_and_says_so(tmp_path, tiny_bundle):
+    """Before, the dead server's missing memory line or a refused connection ended the run in a
+    traceback, and the windows measured until then were lost."""
+    out = tmp_path / "soak.json"
+    soak = subprocess.Popen(
+        [sys.executable, str(ROOT / "bench" / "soak.py"), "--bundle", str(tiny_bundle), "--minutes", "1",
+         "--window-s", "2", "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert json.loads(soak.stdout.readline())["requests"] > 0  # the first window: the server answers
+        (server,) = _children(soak.pid)
+        os.kill(server, signal.SIGKILL)
+        _, err = soak.communicate(timeout=60)
+    finally:
+        soak.kill()
+    report = json.loads(out.read_text())
+    assert report["server_exit_code"] == -9 and report["windows"][0]["requests"] > 0
+    t = report["windows"][-1]["t_s"]
+    assert soak.returncode == 1 and err.strip() == f"coreply serve exited (-9) after {t} s; see {out}"
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and (proc / "stat").read_text().rsplit(")", 1)[1].split()[1] == str(pid):
+                found.append(int(proc.name))
+        except OSError:  # gone meanwhile
+            pass
+    return found
 
 
 def test_rerank_gate_chooses_gates_on_one_span_and_scores_them_on_others(tmp_path, tiny_bundle):
