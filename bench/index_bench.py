@@ -16,11 +16,7 @@ import numpy as np
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench import (
-    open_bundle,
-    provenance,
-    refuse_below,
-)  # bench/bench.py: this script's directory is on sys.path
+from bench import open_bundle, provenance, refuse_below  # bench/bench.py, beside this script
 from coreply.bundle import apply_search_params, make_backend
 from coreply.corpus import load_chitchat
 from index_builder.faiss_index import make_index, recall_vs_exact
