@@ -186,4 +186,4 @@ def test_poly_stage_bench_runs_and_refuses_nonsense(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["codes"] for r in rows] == [4] and rows[0]["p50_ms"] > 0
     bad = subprocess.run([*run[:2], "--n-r", "0"], capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 2 and "--n-r must be >= 1" in bad.stderr
+    assert bad.returncode == 1 and bad.stderr == "--n-r: give at least 1, got 0\n"  # one line, up front
