@@ -43,8 +43,10 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     refuse_below(args, pool=1, dim=1, n_r=1, requests=1, threads=1, bundle_pool=1)
-    if args.n_r > args.pool or min(args.codes) < 1:
-        p.error("--n-r must be <= --pool and every --codes value >= 1")
+    if args.n_r > args.pool:
+        raise SystemExit(f"--n-r: at most --pool ({args.pool}), got {args.n_r}")
+    if min(args.codes) < 1:
+        raise SystemExit(f"--codes: each at least 1, got {args.codes}")
     if args.bundle and Path(args.bundle).exists():  # checked before the timing, not after it
         try:
             stage = rerank_stage(read_manifest(Path(args.bundle)))

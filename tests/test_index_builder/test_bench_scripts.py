@@ -230,6 +230,8 @@ def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):
         ("quality.py", ["--bundle", str(tmp_path)], "--bundle: "),
         ("poly_stage.py", ["--bundle", str(tiny_bundle)], f"--bundle {tiny_bundle}: "),  # cross, not poly
         ("poly_stage.py", ["--bundle", str(tmp_path / "no/poly")], "--bundle: "),
+        ("poly_stage.py", ["--pool", "5", "--n-r", "6"], "--n-r: at most --pool (5)"),
+        ("poly_stage.py", ["--codes", "16", "0"], "--codes: "),
         ("bench.py", ["--bundle", str(tiny_bundle), "--concurrency", "0", "--out", str(other)], "--n-r, "),
         ("restatement_guard.py", ["--bundle", str(tiny_bundle), "--single", "0"], "--single: "),
         ("quantisation.py", ["--limit", "0"], "--limit: "),
