@@ -38,8 +38,10 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     refuse_below(args, limit=1, reference=1)
-    if min(args.ks) < 1 or not all(0 <= a < float("inf") for a in args.alphas):
-        raise SystemExit("--ks: each at least 1; --alphas: each a number >= 0")
+    if min(args.ks) < 1:
+        raise SystemExit(f"--ks: each at least 1, got {args.ks}")
+    if not all(0 <= a < float("inf") for a in args.alphas):  # NaN too
+        raise SystemExit(f"--alphas: each a number >= 0, got {args.alphas}")
     bundle = open_bundle(args.bundle)
     backend = make_backend(bundle, threads=2)
     vectors = bundle.index.reconstruct_n(0, bundle.index.ntotal)  # [N, D]

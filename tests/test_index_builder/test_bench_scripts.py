@@ -226,7 +226,8 @@ def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):
         ("index_bench.py", ["--bundle", str(tmp_path), "--out", str(other)], "--bundle: "),
         ("index_bench.py", ["--bundle", str(tiny_bundle), "--out", str(tmp_path / "no/x.json")], "--out: "),
         ("response_prior.py", ["--bundle", str(tmp_path)], "--bundle: "),
-        ("response_prior.py", ["--alphas", "nan"], "--ks: "),
+        ("response_prior.py", ["--alphas", "nan"], "--alphas: "),
+        ("response_prior.py", ["--ks", "10", "0"], "--ks: "),
         ("quality.py", ["--bundle", str(tmp_path)], "--bundle: "),
         ("poly_stage.py", ["--bundle", str(tiny_bundle)], f"--bundle {tiny_bundle}: "),  # cross, not poly
         ("poly_stage.py", ["--bundle", str(tmp_path / "no/poly")], "--bundle: "),
