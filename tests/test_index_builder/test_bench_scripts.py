@@ -290,6 +290,26 @@ def test_a_soak_whose_server_dies_keeps_its_windows_and_says_so(tmp_path, tiny_b
     assert soak.returncode == 1 and err.strip() == f"coreply serve exited (-9) after {t} s; see {out}"
 
 
+def test_a_benchmark_whose_server_dies_says_so_in_one_line(tmp_path, tiny_bundle):
+    """Before, the next request's refused connection ended bench.py in an httpx traceback."""
+    out = tmp_path / "bench.json"
+    run = subprocess.Popen(
+        [sys.executable, str(ROOT / "bench" / "bench.py"), "--bundle", str(tiny_bundle), "--out", str(out),
+         "--fusion", "retrieval", "--n-r", "1", "2", "3", "--concurrency", "1", "--requests", "20",
+         "--think-ms", "200"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert json.loads(run.stdout.readline())["n_r"] == 1  # the first cell: the server answers
+        (server,) = _children(run.pid)
+        os.kill(server, signal.SIGKILL)
+        _, err = run.communicate(timeout=60)
+    finally:
+        run.kill()
+    assert run.returncode == 1 and not out.exists()
+    assert err.strip() == f"bench: coreply serve exited (-9) after 1 of 3 cells; {out} not written"
+
+
 def _children(pid: int) -> list[int]:
     found = []
     for proc in Path("/proc").iterdir():
