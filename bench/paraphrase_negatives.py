@@ -49,9 +49,12 @@ def main() -> None:
     ap.add_argument("--paraphrase-floor", type=float, default=0.0, help="coreply train's, [0, 1)")
     ap.add_argument("--out", type=Path, help="write the numbers here as JSON")
     args = ap.parse_args()
-    refuse_below(args, hard_pool=1)
-    if args.batches < 1 or not 0 < args.paraphrase_negatives <= args.num_negatives:
-        ap.error("--batches must be >= 1 and --paraphrase-negatives in [1, --num-negatives]")
+    refuse_below(args, hard_pool=1, batches=1, paraphrase_negatives=1)
+    if args.paraphrase_negatives > args.num_negatives:
+        raise SystemExit(
+            f"--paraphrase-negatives: at most --num-negatives ({args.num_negatives}), "
+            f"got {args.paraphrase_negatives}"
+        )
 
     with tempfile.TemporaryDirectory() as out:
         try:  # a missing or unfit checkpoint, or a nonsense size, is the user's to fix: one line
@@ -74,7 +77,7 @@ def main() -> None:
             splits = load_chitchat(max_turns=cfg.model.max_turns)
             trainer = Trainer(cfg, splits["train"], [], build_pool(p.response for p in splits["train"]))
         except (ValueError, FileNotFoundError) as e:
-            ap.error(str(e))
+            raise SystemExit(f"paraphrase_negatives.py: {e}") from None
 
         models = ("bi", "cross", "sum") if args.cross else ("bi",)
         firsts = {m: {k: 0 for k in ("gold", "mined", "random")} for m in models}

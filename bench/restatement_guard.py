@@ -160,9 +160,7 @@ def main() -> None:
         help=f"rerank and fuse by each of {', '.join(allowed)} (default: as served, the bundle's default)",
     )
     args = p.parse_args()
-    refuse_below(args, limit=1, single=1)
-    if args.start < 0:
-        p.error(f"--start must be >= 0, got {args.start}")
+    refuse_below(args, limit=1, single=1, start=0)
     if args.backend not in BACKENDS:
         raise SystemExit(f"--backend: one of {', '.join(BACKENDS)}, got {args.backend!r}")
     if any(f not in allowed for f in args.fusion):
@@ -173,7 +171,7 @@ def main() -> None:
         try:
             [check_quantile(q) for q in args.quantiles]
         except ValueError as e:
-            p.error(f"--quantiles: {e}")
+            raise SystemExit(f"--quantiles: {e}") from None
         return sweep(args)
     others = {}
     for path in args.against:

@@ -235,6 +235,11 @@ def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):
         ("poly_stage.py", ["--codes", "16", "0"], "--codes: "),
         ("bench.py", ["--bundle", str(tiny_bundle), "--concurrency", "0", "--out", str(other)], "--n-r, "),
         ("restatement_guard.py", ["--bundle", str(tiny_bundle), "--single", "0"], "--single: "),
+        ("restatement_guard.py", ["--bundle", str(tiny_bundle), "--start", "-1"], "--start: "),
+        ("restatement_guard.py", ["--bundle", str(tiny_bundle), "--quantiles", "1.5"], "--quantiles: "),
+        ("paraphrase_negatives.py", ["--bi", str(tmp_path), "--batches", "0"], "--batches: "),
+        ("paraphrase_negatives.py", ["--bi", str(tmp_path), "--paraphrase-negatives", "16"], "--paraphrase-"),
+        ("paraphrase_negatives.py", ["--bi", str(tmp_path / "no")], f"paraphrase_negatives.py: {tmp_path}"),
         ("quantisation.py", ["--limit", "0"], "--limit: "),
         ("train_speed.py", ["--out", str(tmp_path / "no/x.json")], "--out: "),
     )
