@@ -37,6 +37,7 @@ import numpy as np
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from coreply.artifacts import check_out_file
 from coreply.text import normalize
 from evaluation.metrics import paired_bootstrap
 
@@ -70,11 +71,11 @@ def refuse_below(args: argparse.Namespace, **floors: float) -> None:
     for flag, least in floors.items():
         if not (value := getattr(args, flag)) >= least:  # NaN too
             raise SystemExit(f"--{flag.replace('_', '-')}: give at least {least}, got {value}")
-    out = getattr(args, "out", None)
-    if out is not None and not out.parent.is_dir():
-        raise SystemExit(f"--out: {out.parent} is not a folder; create it or name another")
-    if out is not None and out.is_dir():
-        raise SystemExit(f"--out: {out} is a folder; name a file in it")
+    if (out := getattr(args, "out", None)) is not None:
+        try:
+            check_out_file(out)
+        except ValueError as e:
+            raise SystemExit(f"--out: {e}") from None
 
 
 def add_pairs_args(p: argparse.ArgumentParser, split: str, start: int, limit: int) -> None:

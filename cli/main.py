@@ -16,6 +16,7 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any, NoReturn
 
+from coreply.artifacts import check_out_file
 from coreply.config import ZERO_SHOT, ModelConfig
 from coreply.gate import GATE_FIDELITY, REACH_FIDELITY
 from coreply.lexical import DEPTH as LEXICAL_DEPTH
@@ -70,10 +71,10 @@ def at_least(low: int):
 
 def out_file(text: str) -> str:
     """An argparse type: a file to write whose folder exists, checked before the slow work, not after."""
-    if not Path(text).parent.is_dir():
-        raise argparse.ArgumentTypeError(f"{Path(text).parent} is not a folder; create it or name another")
-    if Path(text).is_dir():
-        raise argparse.ArgumentTypeError(f"{text} is a folder; name a file in it")
+    try:
+        check_out_file(Path(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return text
 
 

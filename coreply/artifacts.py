@@ -104,6 +104,15 @@ def check_replaceable(final: Path, meta_name: str) -> None:
     )
 
 
+def check_out_file(path: Path) -> None:
+    """``path`` can take a file written at the end of slow work: its folder exists and it is not one.
+    Raises ValueError saying what to do; checked before the work, not after it."""
+    if not path.parent.is_dir():
+        raise ValueError(f"{path.parent} is not a folder; create it or name another")
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder; name a file in it")
+
+
 @contextmanager
 def staging(final: Path, meta_name: str) -> Iterator[Path]:
     """A temporary directory beside ``final`` (which must be replaceable, :func:`check_replaceable`:
