@@ -9,12 +9,13 @@ dropped, no restatement guard or prior) or a bundle as it serves (``--bundle``: 
 ONNX graphs, echo filter, restatement guard and response prior, but not its own lexical stage, which
 this script re-measures; ``--guard-quantile Q`` re-calibrates the guard at Q on the validation split, as
 ``coreply index build --restatement-quantile`` would).
-Every ``--weights`` value on each split (``--start`` and ``--limit`` say which pairs), against dense
-alone: hits@1 / hits@10, wins, losses, a one-sided paired bootstrap p, and how often the top answer
-restates the last turn (``restatement_guard.py``'s two judges; people's own rate beside). ``--query``
-says which turns BM25 reads: ``all`` (the service's lexical stage), ``last`` or ``earlier`` (every turn but
-the last). The weight is chosen on the first split named (validation). The JSON's protocol B rows
-read with ``bench/compare_evals.py``.
+Every ``--weights`` value at every BM25 setting (``--k1`` x ``--b``; default bm25s's and the service's,
+1.5 and 0.75) on each split (``--start`` and ``--limit`` say which pairs), against dense alone: hits@1 /
+hits@10, wins, losses, a one-sided paired bootstrap p, and how often the top answer restates the last
+turn (``restatement_guard.py``'s two judges; people's own rate beside). ``--query`` says which turns
+BM25 reads: ``all`` (the service's lexical stage), ``last`` or ``earlier`` (every turn but the last). The
+weight (and setting) with the best hits@1 on the first split named (validation) is the choice. The
+JSON's protocol B rows read with ``bench/compare_evals.py``.
 
     python bench/hybrid_bm25.py --bi coreply/weights/default-bi --split valid test \\
         --out docs/hybrid-bm25-2026-11-26.json                  # ~15 min here: the pool encoded once, fp32
@@ -82,36 +83,42 @@ def dense_stage(args: argparse.Namespace, splits: dict) -> Pipeline:
     return Pipeline(DenseRetriever(bi, pool), pool, [normalize(t) for t in pool])  # the pool encoded once
 
 
-def measure(split: str, pairs: list, dense: Pipeline, bm25: BM25, judge: RestatementJudge,
+def measure(split: str, pairs: list, dense: Pipeline, bm25s: list[BM25], judge: RestatementJudge,
             args: argparse.Namespace) -> list[dict]:  # fmt: skip
-    """One split's rows: dense alone, then dense + BM25 at each weight against it."""
+    """One split's rows: dense alone, then dense + BM25 at each setting of BM25 (k1, b) and each weight
+    against it; the dense candidates are searched once for every setting."""
     contexts = [p.context for p in pairs]
-    got = retrieve_and_rerank(pairs, dense, args.depth, 0)
-    lexical = [
-        bm25.scores(" ".join(QUERIES[args.query](context)), [dense.texts[i] for i in c.ids])
-        for context, c in zip(contexts, got.candidates, strict=True)
-    ]
-    got = replace(
-        got, candidates=[replace(c, rerank=x) for c, x in zip(got.candidates, lexical, strict=True)]
-    )
-    rows = []
-    for weight in (None, *args.weights):
-        fusion, w = ("retrieval", 0.0) if weight is None else ("zscore", weight)
-        ranks = ranks_for(pairs, dense.keys, got, fusion, args.depth, w)
-        top = [dense.texts[ids[0]] if len(ids) else None for ids in ranked_ids(got, fusion, args.depth, w)]
-        name = "dense" if weight is None else f"dense + BM25, w={weight}"
-        restates = {"judge": round(judge.rate(contexts, top), 2), "words": words_rate(contexts, top)}
-        row = {"system": f"{split}: {name}", "split": split, "metrics": summarize(ranks), "ranks": ranks,
-               "restates": restates}  # fmt: skip
-        if weight is not None:
-            mine, theirs = per_case(ranks, "hits@1"), per_case(rows[0]["ranks"], "hits@1")
-            versus = {"wins": int((mine > theirs).sum()), "losses": int((mine < theirs).sum()),
-                      "p": round(paired_bootstrap(mine, theirs), 4)}  # fmt: skip
-            row |= {"weight": weight, "against_dense": versus}
-        m = row["metrics"]
-        line = f"{split:5} {name:22} hits@1 {m['hits@1']:5.2f} hits@10 {m['hits@10']:5.2f}"
-        print(line, row["restates"], row.get("against_dense", ""), flush=True)
-        rows.append(row)
+    dense_only = retrieve_and_rerank(pairs, dense, args.depth, 0)
+    queries = [" ".join(QUERIES[args.query](context)) for context in contexts]
+    texts = [[dense.texts[i] for i in c.ids] for c in dense_only.candidates]
+    rows: list[dict] = []
+    for bm25 in bm25s:
+        lexical = [bm25.scores(q, t) for q, t in zip(queries, texts, strict=True)]
+        got = replace(
+            dense_only,
+            candidates=[replace(c, rerank=x) for c, x in zip(dense_only.candidates, lexical, strict=True)],
+        )
+        for weight in (None, *args.weights):
+            if weight is None and rows:
+                continue  # dense alone does not depend on BM25's setting: one row
+            fusion, w = ("retrieval", 0.0) if weight is None else ("zscore", weight)
+            ranks = ranks_for(pairs, dense.keys, got, fusion, args.depth, w)
+            top = [
+                dense.texts[ids[0]] if len(ids) else None for ids in ranked_ids(got, fusion, args.depth, w)
+            ]
+            name = "dense" if weight is None else f"dense + BM25 (k1={bm25.k1:g}, b={bm25.b:g}), w={weight}"
+            restates = {"judge": round(judge.rate(contexts, top), 2), "words": words_rate(contexts, top)}
+            row = {"system": f"{split}: {name}", "split": split, "metrics": summarize(ranks), "ranks": ranks,
+                   "restates": restates}  # fmt: skip
+            if weight is not None:
+                mine, theirs = per_case(ranks, "hits@1"), per_case(rows[0]["ranks"], "hits@1")
+                versus = {"wins": int((mine > theirs).sum()), "losses": int((mine < theirs).sum()),
+                          "p": round(paired_bootstrap(mine, theirs), 4)}  # fmt: skip
+                row |= {"weight": weight, "k1": bm25.k1, "b": bm25.b, "against_dense": versus}
+            m = row["metrics"]
+            line = f"{split:5} {name:44} hits@1 {m['hits@1']:5.2f} hits@10 {m['hits@10']:5.2f}"
+            print(line, row["restates"], row.get("against_dense", ""), flush=True)
+            rows.append(row)
     gold = [p.response for p in pairs]
     people = {"judge": round(judge.rate(contexts, gold), 2), "words": words_rate(contexts, gold)}
     rows[0]["people_restate"] = people
@@ -131,6 +138,8 @@ def main() -> None:
     p.add_argument("--guard-quantile", type=float, help="with --bundle: its restatement guard re-calibrated")
     p.add_argument("--query", choices=list(QUERIES), default="all", help="the context turns BM25 reads")
     p.add_argument("--weights", type=float, nargs="+", default=[0.9, 0.8, 0.7, 0.6, 0.5])
+    p.add_argument("--k1", type=float, nargs="+", default=[1.5], help="BM25's term saturation (each > 0)")
+    p.add_argument("--b", type=float, nargs="+", default=[0.75], help="BM25's length norm (each in [0, 1])")
     p.add_argument("--out", type=Path, required=True, help="JSON file to write")
     args = p.parse_args()
     refuse_below(args, limit=1, start=0, depth=2, pool=0)  # and --out, found before encoding
@@ -140,24 +149,30 @@ def main() -> None:
         raise SystemExit("--guard-quantile: give one in [0.5, 1), with --bundle")
     if not all(0 <= w < 1 for w in args.weights):
         raise SystemExit("--weights: each in [0, 1) (1 is dense alone, always measured)")
+    if not all(k1 > 0 for k1 in args.k1):
+        raise SystemExit("--k1: each must be > 0")
+    if not all(0 <= b <= 1 for b in args.b):
+        raise SystemExit("--b: each must be in [0, 1]")
     splits = load_chitchat()
     start = time.perf_counter()
     dense = dense_stage(args, splits)
-    bm25 = BM25.fit(dense.texts, STOPWORDS_EN)
+    fitted = BM25.fit(dense.texts, STOPWORDS_EN)
+    bm25s = [replace(fitted, k1=k1, b=b) for k1 in args.k1 for b in args.b]
     judge = RestatementJudge(load_bi(ZERO_SHOT))
     print(f"pool of {len(dense.texts)} ready in {time.perf_counter() - start:.0f} s", flush=True)
     rows: list[dict] = []
     for split in args.split:
-        rows += measure(split, splits[split][args.start : args.start + args.limit], dense, bm25, judge, args)
+        rows += measure(split, splits[split][args.start : args.start + args.limit], dense, bm25s, judge, args)
     weighted = [r for r in rows if r["split"] == args.split[0] and "weight" in r]
-    chosen = max(weighted, key=lambda r: r["metrics"]["hits@1"])["weight"]  # ties: the weight named first
+    best = max(weighted, key=lambda r: r["metrics"]["hits@1"])  # ties: the setting named first
+    chosen = {"weight": best["weight"], "k1": best["k1"], "b": best["b"]}
     result = provenance() | {"first_stage": args.bundle or args.bi, "served": bool(args.bundle),
                              "guard_quantile": args.guard_quantile, "query": args.query,
                              "pool_size": len(dense.texts), "depth": args.depth,
                              "pairs": f"[{args.start}:{args.start + args.limit}]",
-                             "chosen_weight": {"weight": chosen, "on": args.split[0]}, "B": rows}  # fmt: skip
+                             "chosen_weight": chosen | {"on": args.split[0]}, "B": rows}  # fmt: skip
     write_json_atomic(args.out, result)
-    print(f"wrote {args.out} (weight chosen on {args.split[0]}: {chosen})")
+    print(f"wrote {args.out} (chosen on {args.split[0]}: {chosen})")
 
 
 if __name__ == "__main__":

@@ -171,6 +171,8 @@ def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):
         ("retriever_sum.py", ["--bi", *[str(tiny_core / "bi")] * 2, "--out", str(other)], "--bi: "),
         ("hybrid_bm25.py", ["--bi", str(tmp_path), "--pool", "80", "--out", str(other)], "--bi: "),
         ("hybrid_bm25.py", ["--weights", "1", "--out", str(other)], "--weights: "),
+        ("hybrid_bm25.py", ["--k1", "0", "--out", str(other)], "--k1: "),
+        ("hybrid_bm25.py", ["--b", "1.5", "--out", str(other)], "--b: "),
         ("hybrid_bm25.py", ["--guard-quantile", "0.99", "--out", str(other)], "--guard-quantile: "),
         ("hybrid_bm25.py", ["--bundle", str(tiny_bundle), "--pool", "80", "--out", str(other)], "--pool: "),
         ("learned_fusion.py", ["--bundle", str(tiny_bundle), "--out", str(other)], "--bundle: "),
@@ -558,20 +560,36 @@ def test_retriever_sum_ranks_by_both_retrievers_scores(tmp_path, tiny_core):
 def test_hybrid_bm25_reorders_the_retrievers_first_candidates(tmp_path, tiny_core, guarded_bundle):
     out = tmp_path / "hybrid.json"
     bench("hybrid_bm25.py", "--bi", str(tiny_core / "bi"), "--split", "valid", "test", "--limit", "10",
-          "--pool", "80", "--depth", "10", "--weights", "0.5", "0", "--out", str(out))  # fmt: skip
+          "--pool", "80", "--depth", "10", "--weights", "0.5", "0", "--k1", "1.5", "0.5", "--b", "0.75",
+          "0", "--out", str(out))  # fmt: skip
     result = json.loads(out.read_text())
     rows = {r["system"]: r for r in result["B"]}
-    names = ("dense", "dense + BM25, w=0.5", "dense + BM25, w=0.0")
+    settings = [f"k1={k1}, b={b}" for k1 in ("1.5", "0.5") for b in ("0.75", "0")]
+    names = ["dense"] + [f"dense + BM25 ({s}), w={w}" for s in settings for w in ("0.5", "0.0")]
     assert list(rows) == [f"{split}: {name}" for split in ("valid", "test") for name in names]
-    assert result["chosen_weight"]["on"] == "valid" and result["chosen_weight"]["weight"] in (0.5, 0.0)
+    chosen = result["chosen_weight"]
+    assert chosen["on"] == "valid" and chosen["weight"] in (0.5, 0.0)
+    assert (chosen["k1"], chosen["b"]) in [(k1, b) for k1 in (1.5, 0.5) for b in (0.75, 0.0)]
+    best = max(
+        (r for r in result["B"] if r["split"] == "valid" and "weight" in r),
+        key=lambda r: r["metrics"]["hits@1"],
+    )
+    assert chosen["weight"] == best["weight"] and (chosen["k1"], chosen["b"]) == (best["k1"], best["b"])
     for split in ("valid", "test"):
         dense = rows[f"{split}: dense"]
-        for w in ("0.5", "0.0"):
-            fused = rows[f"{split}: dense + BM25, w={w}"]
+        for name in names[1:]:
+            fused = rows[f"{split}: {name}"]
             assert fused["metrics"]["hits@10"] == dense["metrics"]["hits@10"]  # a reordering of the same 10
             assert set(fused["against_dense"]) == {"wins", "losses", "p"}
-    bm25_alone = [rows[f"{split}: dense + BM25, w=0.0"]["ranks"] for split in ("valid", "test")]
+    bm25_alone = [
+        rows[f"{split}: dense + BM25 (k1=1.5, b=0.75), w=0.0"]["ranks"] for split in ("valid", "test")
+    ]
     assert bm25_alone != [rows[f"{split}: dense"]["ranks"] for split in ("valid", "test")]  # BM25 reorders
+    scores = {
+        s: [rows[f"{split}: dense + BM25 ({s}), w=0.0"]["ranks"] for split in ("valid", "test")]
+        for s in settings
+    }
+    assert len({repr(r) for r in scores.values()}) > 1  # k1 and b reach the scores: not every order alike
     assert all(set(r["restates"]) == {"judge", "words"} for r in rows.values())
     assert set(rows["valid: dense"]["people_restate"]) == {"judge", "words"}
     served = tmp_path / "served.json"  # the same through a bundle's own pipeline and pool
@@ -580,7 +598,7 @@ def test_hybrid_bm25_reorders_the_retrievers_first_candidates(tmp_path, tiny_cor
           "--out", str(served))  # fmt: skip
     result = json.loads(served.read_text())
     assert result["served"] and result["guard_quantile"] == 0.99 and result["query"] == "earlier"
-    assert [r["system"] for r in result["B"]] == ["test: dense", "test: dense + BM25, w=0.5"]
+    assert [r["system"] for r in result["B"]] == ["test: dense", "test: dense + BM25 (k1=1.5, b=0.75), w=0.5"]
 
 
 def test_restatement_guard_answers_as_the_service_does(guarded_bundle, toy_pairs, monkeypatch):
