@@ -38,12 +38,13 @@ from coreply.artifacts import write_json_atomic
 from coreply.checkpoint import load_bi
 from coreply.config import ZERO_SHOT
 from coreply.corpus import load_chitchat, normalize, responses_of
-from coreply.lexical import BM25
+from coreply.lexical import BM25, TermIndex
 from coreply.ranking import Pipeline
 from coreply.responder import Responder
 from evaluation.metrics import paired_bootstrap, per_case, summarize
 from evaluation.protocols import (
     DenseRetriever,
+    Retrieved,
     pool_for_eval,
     ranked_ids,
     ranks_for,
@@ -83,42 +84,43 @@ def dense_stage(args: argparse.Namespace, splits: dict) -> Pipeline:
     return Pipeline(DenseRetriever(bi, pool), pool, [normalize(t) for t in pool])  # the pool encoded once
 
 
-def measure(split: str, pairs: list, dense: Pipeline, bm25s: list[BM25], judge: RestatementJudge,
-            args: argparse.Namespace) -> list[dict]:  # fmt: skip
+def measure(split: str, pairs: list, dense: Pipeline, bm25s: list[BM25], terms: TermIndex,
+            judge: RestatementJudge, args: argparse.Namespace) -> list[dict]:  # fmt: skip
     """One split's rows: dense alone, then dense + BM25 at each setting of BM25 (k1, b) and each weight
-    against it; the dense candidates are searched once for every setting."""
+    against it; the dense candidates are searched once, the pool's ``terms`` counted once, for them all."""
     contexts = [p.context for p in pairs]
     dense_only = retrieve_and_rerank(pairs, dense, args.depth, 0)
     queries = [" ".join(QUERIES[args.query](context)) for context in contexts]
-    texts = [[dense.texts[i] for i in c.ids] for c in dense_only.candidates]
-    rows: list[dict] = []
+
+    def row(got: Retrieved, name: str, weight: float | None) -> dict:
+        fusion, w = ("retrieval", 0.0) if weight is None else ("zscore", weight)
+        ranks = ranks_for(pairs, dense.keys, got, fusion, args.depth, w)
+        top = [dense.texts[ids[0]] if len(ids) else None for ids in ranked_ids(got, fusion, args.depth, w)]
+        restates = {"judge": round(judge.rate(contexts, top), 2), "words": words_rate(contexts, top)}
+        out = {"system": f"{split}: {name}", "split": split, "metrics": summarize(ranks), "ranks": ranks,
+               "restates": restates}  # fmt: skip
+        if weight is not None:
+            mine, theirs = per_case(ranks, "hits@1"), per_case(rows[0]["ranks"], "hits@1")
+            versus = {"wins": int((mine > theirs).sum()), "losses": int((mine < theirs).sum()),
+                      "p": round(paired_bootstrap(mine, theirs), 4)}  # fmt: skip
+            out |= {"weight": weight, "against_dense": versus}
+        m = out["metrics"]
+        line = f"{split:5} {name:44} hits@1 {m['hits@1']:5.2f} hits@10 {m['hits@10']:5.2f}"
+        print(line, out["restates"], out.get("against_dense", ""), flush=True)
+        return out
+
+    rows = [row(dense_only, "dense", None)]
     for bm25 in bm25s:
-        lexical = [bm25.scores(q, t) for q, t in zip(queries, texts, strict=True)]
         got = replace(
             dense_only,
-            candidates=[replace(c, rerank=x) for c, x in zip(dense_only.candidates, lexical, strict=True)],
+            candidates=[
+                replace(c, rerank=bm25.scores_at(q, terms, c.ids))
+                for q, c in zip(queries, dense_only.candidates, strict=True)
+            ],
         )
-        for weight in (None, *args.weights):
-            if weight is None and rows:
-                continue  # dense alone does not depend on BM25's setting: one row
-            fusion, w = ("retrieval", 0.0) if weight is None else ("zscore", weight)
-            ranks = ranks_for(pairs, dense.keys, got, fusion, args.depth, w)
-            top = [
-                dense.texts[ids[0]] if len(ids) else None for ids in ranked_ids(got, fusion, args.depth, w)
-            ]
-            name = "dense" if weight is None else f"dense + BM25 (k1={bm25.k1:g}, b={bm25.b:g}), w={weight}"
-            restates = {"judge": round(judge.rate(contexts, top), 2), "words": words_rate(contexts, top)}
-            row = {"system": f"{split}: {name}", "split": split, "metrics": summarize(ranks), "ranks": ranks,
-                   "restates": restates}  # fmt: skip
-            if weight is not None:
-                mine, theirs = per_case(ranks, "hits@1"), per_case(rows[0]["ranks"], "hits@1")
-                versus = {"wins": int((mine > theirs).sum()), "losses": int((mine < theirs).sum()),
-                          "p": round(paired_bootstrap(mine, theirs), 4)}  # fmt: skip
-                row |= {"weight": weight, "k1": bm25.k1, "b": bm25.b, "against_dense": versus}
-            m = row["metrics"]
-            line = f"{split:5} {name:44} hits@1 {m['hits@1']:5.2f} hits@10 {m['hits@10']:5.2f}"
-            print(line, row["restates"], row.get("against_dense", ""), flush=True)
-            rows.append(row)
+        for weight in args.weights:
+            name = f"dense + BM25 (k1={bm25.k1:g}, b={bm25.b:g}), w={weight}"
+            rows.append(row(got, name, weight) | {"k1": bm25.k1, "b": bm25.b})
     gold = [p.response for p in pairs]
     people = {"judge": round(judge.rate(contexts, gold), 2), "words": words_rate(contexts, gold)}
     rows[0]["people_restate"] = people
@@ -158,11 +160,14 @@ def main() -> None:
     dense = dense_stage(args, splits)
     fitted = BM25.fit(dense.texts, STOPWORDS_EN)
     bm25s = [replace(fitted, k1=k1, b=b) for k1 in args.k1 for b in args.b]
+    terms = fitted.index(dense.texts)  # the service's term counts: every setting scores from them
     judge = RestatementJudge(load_bi(ZERO_SHOT))
     print(f"pool of {len(dense.texts)} ready in {time.perf_counter() - start:.0f} s", flush=True)
     rows: list[dict] = []
     for split in args.split:
-        rows += measure(split, splits[split][args.start : args.start + args.limit], dense, bm25s, judge, args)
+        rows += measure(
+            split, splits[split][args.start : args.start + args.limit], dense, bm25s, terms, judge, args
+        )
     weighted = [r for r in rows if r["split"] == args.split[0] and "weight" in r]
     best = max(weighted, key=lambda r: r["metrics"]["hits@1"])  # ties: the setting named first
     chosen = {"weight": best["weight"], "k1": best["k1"], "b": best["b"]}

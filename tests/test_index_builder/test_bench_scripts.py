@@ -569,7 +569,6 @@ def test_hybrid_bm25_reorders_the_retrievers_first_candidates(tmp_path, tiny_cor
     assert list(rows) == [f"{split}: {name}" for split in ("valid", "test") for name in names]
     chosen = result["chosen_weight"]
     assert chosen["on"] == "valid" and chosen["weight"] in (0.5, 0.0)
-    assert (chosen["k1"], chosen["b"]) in [(k1, b) for k1 in (1.5, 0.5) for b in (0.75, 0.0)]
     best = max(
         (r for r in result["B"] if r["split"] == "valid" and "weight" in r),
         key=lambda r: r["metrics"]["hits@1"],
