@@ -16,7 +16,7 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any, NoReturn
 
-from coreply.artifacts import check_out_file
+from coreply.artifacts import check_out_file, read_json
 from coreply.config import ZERO_SHOT, ModelConfig
 from coreply.gate import GATE_FIDELITY, REACH_FIDELITY
 from coreply.lexical import DEPTH as LEXICAL_DEPTH
@@ -67,6 +67,11 @@ def at_least(low: int):
 
     parse.__name__ = "int"
     return parse
+
+
+def result_name(out: str) -> str:
+    """A result's default name: its ``--out`` file's name without ``.json`` or ``.json.gz``."""
+    return Path(Path(out).name.removesuffix(".gz")).stem
 
 
 def out_file(text: str) -> str:
@@ -459,7 +464,9 @@ def _ground_parser(sub) -> None:
     e.add_argument("--limit", type=at_least(0), default=0, help="first N test pairs (0: all)")
     e.add_argument("--candidates", type=at_least(2), default=100, help="protocol A list size")
     e.add_argument("--against", nargs="*", default=[], help="eval JSONs of the same cases to test against")
-    e.add_argument("--name", default=None, help="row name (default: the output file's stem)")
+    e.add_argument(
+        "--name", default=None, help="row name (default: the --out file's name without .json or .json.gz)"
+    )
     e.add_argument(
         "--out", type=out_file, required=True, help="where the JSON (metrics, per-case ranks) goes"
     )
@@ -537,14 +544,14 @@ def _ground_eval(args: argparse.Namespace) -> int:
     negatives = [p.response for p in data["test"]]
     if len({normalize(t) for t in negatives}) < 2:
         raise CliError(f"--data {args.data}: the test responses need at least 2 distinct texts")
-    name = args.name or Path(args.out).stem
+    name = args.name or result_name(args.out)
     top_m = args.top_m or trained_top_m(args.cross)
     result = evaluate_grounded(
         name, cross, retriever, test, negatives, args.candidates, top_m, not args.no_knowledge, args.seed
     )
     result["against"] = {}
     for path in args.against:
-        other = json.loads(Path(path).read_text())
+        other = read_json(path)
         result["against"][other["meta"]["name"]] = significance(result, other)
     from coreply.artifacts import write_json_atomic
 
@@ -562,7 +569,11 @@ def _eval_parser(sub) -> None:
     p = sub.add_parser("eval", help="evaluate on protocol A (1-of-N) and B (full pool)", **DEFAULTS_SHOWN)
     p.add_argument("--bi", default=None, help="bi-encoder checkpoint dir, or 'zero-shot'")
     p.add_argument("--cross", default=None, help="cross-encoder checkpoint dir")
-    p.add_argument("--name", default=None, help="system name in the report (default: the --out file's stem)")
+    p.add_argument(
+        "--name",
+        default=None,
+        help="system name in the report (default: the --out file's name without .json or .json.gz)",
+    )
     p.add_argument(
         "--data",
         default="chitchat",
@@ -701,7 +712,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         asked, used = (" ".join(map(str, values)) for values in (args.n_r, n_r))
         print(f"note: --n-r {asked} over a pool of {len(pool_b)} responses: n_r {used}")
     spec = EvalSpec(
-        name=args.name or Path(args.out).stem,
+        name=args.name or result_name(args.out),
         bi=args.bi,
         cross=args.cross,
         test=test,
@@ -758,7 +769,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
     def read(path: str, check: Callable[[Any], None]) -> dict:
         try:
-            obj = json.loads(Path(path).read_text())
+            obj = read_json(path)
             check(obj)
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise CliError(f"report: cannot read {path}: {exc}") from exc

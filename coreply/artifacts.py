@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import fcntl
 import functools
+import gzip
 import hashlib
 import json
 import os
 import shutil
 import uuid
+import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -73,13 +75,28 @@ def dumps(data: Any, indent: str = "") -> str:
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON (:func:`dumps`) to ``path`` via a temporary file + fsync + rename."""
+    """Write JSON (:func:`dumps`) to ``path`` via a temporary file + fsync + rename; gzip-compressed
+    where the name ends in ``.gz`` (raw per-case results shrink about 15 times)."""
+    text = (dumps(data) + "\n").encode()
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    with open(tmp, "w") as fh:
-        fh.write(dumps(data) + "\n")
+    with open(tmp, "wb") as fh:
+        fh.write(gzip.compress(text, mtime=0) if path.name.endswith(".gz") else text)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
+
+
+def read_json(path: str | Path) -> Any:
+    """Parse a JSON file as :func:`write_json_atomic` writes it: gzip-compressed where the name ends in
+    ``.gz``. Raises OSError (also for a .gz that is not whole gzip data), UnicodeDecodeError or
+    json.JSONDecodeError."""
+    data = Path(path).read_bytes()
+    if str(path).endswith(".gz"):
+        try:
+            data = gzip.decompress(data)
+        except (EOFError, zlib.error) as exc:  # cut short, or not deflate inside
+            raise OSError(f"not whole gzip data ({exc})") from exc
+    return json.loads(data)
 
 
 def replace_dir(tmp: Path, final: Path) -> None:

@@ -1,5 +1,6 @@
 """`coreply train`, `eval` and `report` end to end as a user runs them, on a tiny model and JSONL data."""
 
+import gzip
 import json
 import subprocess
 import sys
@@ -165,6 +166,11 @@ def test_train_eval_report_end_to_end(tmp_path, tiny_model_dir, data_file):
     assert f"| {run.name} | 3 of 3 (30 min) |" in text  # the run's steps and its time budget
     assert (tmp_path / "nr.png").stat().st_size > 1000
     assert (tmp_path / "curves.png").stat().st_size > 1000
+    packed, md_packed = tmp_path / "eval.json.gz", tmp_path / "results-packed.md"
+    packed.write_bytes(gzip.compress(out.read_bytes()))  # how docs/ keeps raw results
+    again = coreply("report", str(packed), "--runs", str(run / "summary.json"), "--out", str(md_packed))
+    assert again.returncode == 0, again.stderr
+    assert md_packed.read_text() == text
     wrong = coreply("report", str(out), "--out", str(md), "--against", "nobody")
     assert wrong.returncode == 2 and "--against 'nobody' names none of the inputs' runs" in wrong.stderr
 
