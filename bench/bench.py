@@ -37,7 +37,7 @@ import numpy as np
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from coreply.artifacts import check_out_file
+from coreply.artifacts import check_out_file, write_json_atomic
 from coreply.text import normalize
 from evaluation.metrics import paired_bootstrap
 
@@ -432,7 +432,7 @@ def main() -> None:
     result = {**provenance(), "bundle": ready, "peer_cross": args.peer_cross, "think_ms": args.think_ms,
               "peer_pool": args.peer_pool, "peer_pool_encode_s": peer.pool_encode_s if peer else None,
               "rows": rows}  # fmt: skip
-    args.out.write_text(json.dumps(result, indent=2))
+    write_json_atomic(args.out, result)
     print(f"wrote {args.out}")
 
 

@@ -7,29 +7,29 @@ row is compared with each of the others on the same test cases (the files must h
 cases, in the same order: the same --limit and split): hits@1 of each, the cases it wins and loses on
 hits@1, and the one-sided paired bootstrap p-value (10,000 resamples) that it is not better.
 
-    python bench/compare_evals.py --list docs/lease-2026-11-26b/eval-residual-core-r32.json
-    python bench/compare_evals.py docs/lease-2026-11-26b/eval-residual-core-r32.json#B7 \\
-        docs/eval-default-bi-core-r32-testB.json#B2 docs/eval-default-bi-core-r32-testB.json#B4
+    python bench/compare_evals.py --list docs/lease-2026-11-26b/eval-residual-core-r32.json.gz
+    python bench/compare_evals.py docs/lease-2026-11-26b/eval-residual-core-r32.json.gz#B7 \\
+        docs/eval-default-bi-core-r32-testB.json.gz#B2 docs/eval-default-bi-core-r32-testB.json.gz#B4
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import json
 import re
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from coreply.artifacts import read_json
 from evaluation.metrics import paired_bootstrap, per_case
 
 
 @functools.cache  # a file named in several rows is read once
 def load(path: str) -> dict[str, Any]:
     try:
-        result = json.loads(Path(path).read_text())
+        result = read_json(path)
     except (OSError, ValueError) as e:
         raise SystemExit(f"compare_evals.py: {path}: cannot read an evaluation JSON ({e})") from None
     if not isinstance(result, dict) or not any(isinstance(result.get(p), list) for p in "AB"):

@@ -23,6 +23,7 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from bench import Server, provenance, refuse_below  # bench/bench.py: this script's directory is on sys.path
+from coreply.artifacts import write_json_atomic
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 
@@ -73,7 +74,7 @@ def main() -> None:
         "other_5xx": sum(n for k, n in codes.items() if k.split()[-1].startswith("5")) - deadline_504s[0],
         "failures": failures,
     }
-    args.out.write_text(json.dumps(report, indent=2))
+    write_json_atomic(args.out, report)
     summary = {k: v for k, v in report.items() if k != "failures"} | {"failures": len(failures)}
     print(json.dumps(summary, indent=2))
 

@@ -18,9 +18,9 @@ weight (and setting) with the best hits@1 on the first split named (validation) 
 JSON's protocol B rows read with ``bench/compare_evals.py``.
 
     python bench/hybrid_bm25.py --bi coreply/weights/default-bi --split valid test \\
-        --out docs/hybrid-bm25-2026-11-26.json                  # ~15 min here: the pool encoded once, fp32
+        --out docs/hybrid-bm25-2026-11-26.json.gz               # ~15 min here: the pool encoded once, fp32
     python bench/hybrid_bm25.py --bundle artifacts/default-bundle --split valid test \\
-        --out docs/hybrid-bm25-served-2026-11-26.json
+        --out docs/hybrid-bm25-served-2026-11-26.json.gz
 """
 
 from __future__ import annotations

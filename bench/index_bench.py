@@ -17,6 +17,7 @@ import numpy as np
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from bench import open_bundle, provenance, refuse_below  # bench/bench.py, beside this script
+from coreply.artifacts import write_json_atomic
 from coreply.bundle import apply_search_params, make_backend
 from coreply.corpus import load_chitchat
 from index_builder.faiss_index import make_index, recall_vs_exact
@@ -75,7 +76,7 @@ def main() -> None:
         "dim": int(bundle.index.d),
         "rows": rows,
     }
-    args.out.write_text(json.dumps(result, indent=2))
+    write_json_atomic(args.out, result)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ validation pairs ``[0:--train)`` whose gold is among the candidates, and measure
 with no guard (dense, and dense + BM25 at the served weight), with the same two restatement judges as
 ``restatement_guard.py`` and one-sided paired bootstrap p against the bundle as served.
 
-    python bench/learned_fusion.py --bundle artifacts/default-bundle --out docs/learned-fusion-2026-11-27.json
+    python bench/learned_fusion.py --bundle artifacts/default-bundle \
+        --out docs/learned-fusion-2026-11-27.json.gz
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from bench import (  # bench/bench.py: this script's directory is on sys.path
     refuse_below,
     respond_body,
 )
+from coreply.artifacts import write_json_atomic
 
 
 async def open_loop(
@@ -118,7 +119,7 @@ def main() -> None:
         "cascade": args.cascade,
         **result,
     }
-    args.out.write_text(json.dumps(report, indent=2))
+    write_json_atomic(args.out, report)
     print(json.dumps(report, indent=2))
 
 

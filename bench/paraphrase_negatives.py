@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from bench import refuse_below  # bench/bench.py: this script's directory is on sys.path
+from coreply.artifacts import write_json_atomic
 from coreply.checkpoint import load_bi
 from coreply.config import ZERO_SHOT, ModelConfig
 from coreply.corpus import build_pool, load_chitchat
@@ -142,8 +143,7 @@ def main() -> None:
     }
     print(json.dumps(result, indent=1))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json_atomic(Path(args.out), result)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from bench import refuse_below  # bench/bench.py: this script's directory is on sys.path
+from coreply.artifacts import write_json_atomic
 from coreply.bundle import BundleError, IndexRetriever, read_manifest, rerank_stage
 from coreply.ranking import Candidates, Pipeline, Query
 
@@ -104,9 +105,7 @@ def main() -> None:
         "rows": rows,
     }
     if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(result, fh, indent=2)
-            fh.write("\n")
+        write_json_atomic(Path(args.out), result)
 
 
 def engine_added_ms(args: argparse.Namespace) -> dict:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import platform
 import tempfile
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from bench import refuse_below  # bench/bench.py: this script's directory is on sys.path
+from coreply.artifacts import write_json_atomic
 from coreply.checkpoint import load_bi
 from coreply.corpus import build_pool, load_chitchat, responses_of
 from coreply.inference import INT8_VARIANTS, ONNX_FILES, OnnxBackend, export_onnx, quantize_graph
@@ -112,8 +112,7 @@ def main() -> None:
         "machine": f"{platform.machine()} {platform.system()}",
     }
     if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(result, fh, indent=1)
+        write_json_atomic(Path(args.out), result)
 
 
 def _best(scores: np.ndarray, k: int) -> np.ndarray:

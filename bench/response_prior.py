@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 from pathlib import Path
 
 import numpy as np
 
 from bench import open_bundle, refuse_below  # bench/bench.py: this script's directory is on sys.path
+from coreply.artifacts import write_json_atomic
 from coreply.bundle import make_backend
 from coreply.corpus import load_chitchat
 from coreply.prior import DEPTH, REFERENCE, Prior, neighbourhood, own_conversations, reference_sample
@@ -86,8 +86,7 @@ def main() -> None:
         },
     }
     if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(result, fh, indent=1)
+        write_json_atomic(Path(args.out), result)
 
 
 def _row(got: dict, base: dict) -> dict[str, float]:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import platform
 import time
 from pathlib import Path
@@ -42,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from bench import refuse_below, responder  # bench/bench.py: this script's directory is on sys.path
+from coreply.artifacts import read_json, write_json_atomic
 from coreply.bundle import BACKENDS
 from coreply.checkpoint import load_bi
 from coreply.config import ZERO_SHOT
@@ -137,8 +137,7 @@ def sweep(args: argparse.Namespace) -> None:
         "machine": f"{platform.machine()} {platform.system()}",
     }
     if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(result, fh, indent=1)
+        write_json_atomic(Path(args.out), result)
 
 
 def main() -> None:
@@ -175,8 +174,7 @@ def main() -> None:
         return sweep(args)
     others = {}
     for path in args.against:
-        with open(path) as fh:
-            others[path] = other = json.load(fh)
+        others[path] = other = read_json(path)
         if (
             "top1_cases" not in other
             or other["meta"]["split"] != args.split
@@ -274,8 +272,7 @@ def main() -> None:
         "machine": f"{platform.machine()} {platform.system()}",
     }
     if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(result, fh, indent=1)
+        write_json_atomic(Path(args.out), result)
 
 
 if __name__ == "__main__":

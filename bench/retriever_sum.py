@@ -7,7 +7,7 @@ hits@1 / hits@10 of each retriever and of the sum, and the sum's wins, losses an
 bootstrap p against each. The JSON's protocol B rows read with ``bench/compare_evals.py``.
 
     python bench/retriever_sum.py --bi coreply/weights/default-bi runs/lease/core/bi --split valid test \\
-        --out docs/retriever-sum-2026-11-26.json         # ~35 min here: each pool encoded once, fp32
+        --out docs/retriever-sum-2026-11-26.json.gz      # ~35 min here: each pool encoded once, fp32
 """
 
 from __future__ import annotations

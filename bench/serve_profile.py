@@ -15,7 +15,6 @@ packs them where PyTorch has variable-length attention).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 # bench/bench.py: this script's directory is on sys.path
 from bench import device_busy_share, open_bundle, operators, provenance
+from coreply.artifacts import write_json_atomic
 from coreply.bundle import BACKENDS, make_backend, pipeline, search_on
 from coreply.corpus import load_chitchat
 from coreply.device import resolve_device
@@ -114,7 +114,7 @@ def main() -> None:
         for op in ops:
             print(f"| {op['op']} | {op['calls_per_batch']} | {op['self_host_ms']} | {op['self_device_ms']} |")
     if args.out:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        write_json_atomic(args.out, result)
         print(f"wrote {args.out}")
 
 

@@ -23,6 +23,7 @@ from bench import (  # bench/bench.py: this script's directory is on sys.path
     provenance,
     refuse_below,
 )
+from coreply.artifacts import write_json_atomic
 
 
 def rss_mb(pid: int) -> float | None:
@@ -122,7 +123,7 @@ def main() -> None:
         "server_exit_code": exited,  # None: it served to the end
         "windows": windows,
     }
-    args.out.write_text(json.dumps(report, indent=2))
+    write_json_atomic(args.out, report)
     print(json.dumps({k: v for k, v in report.items() if k != "windows"}, indent=2))
     if exited is not None:
         raise SystemExit(f"coreply serve exited ({exited}) after {last['t_s']} s; see {args.out}")
