@@ -63,9 +63,9 @@
 #         split's first 2,000 (protocol B, valid-eval-NAME.json): where the default's retriever is chosen.
 # pack    copies results and every run's adapters (a few MB a run) to $OUT/lease.tgz.* with checksums:
 #         run it at the end of every call, and here after it:  bash scripts/gpu_lease.sh unpack:FILES_AT
-#         (checks the parts, unpacks them into runs/lease, copies the results and adapters into KEEP,
-#         default docs/lease-<today>, to commit: runs/ does not outlive this VM; and says whether the
-#         tree and .lease still fit a call: once a choice is made, `git rm` the kept weights that are not
+#         (checks the parts, unpacks them into runs/lease, copies the results, JSONs over 40 kB gzipped,
+#         and adapters into KEEP, default docs/lease-<today>, to commit: runs/ does not outlive this VM;
+#         and says whether the tree and .lease still fit a call: once a choice is made, `git rm` the kept weights that are not
 #         shipped, git keeps them). Every run's reranker trained in full comes back as rank-PACK_RANK
 #         adapters (default 32, `coreply compact`, ~3 MB: the form that fits in git; `eval` measures
 #         PACK_FULL's, as RUN-r32), and in fp16 for the runs named in PACK_FULL (default the queue's
@@ -667,6 +667,9 @@ print(json.load(open(sys.argv[1])).get('init_bi') or sys.argv[2])" "$LEASE/$run/
     for f in "$LEASE"/*.json "$LEASE"/*.md "$LEASE"/*.png "$LEASE"/*.txt "$LEASE"/queue.log; do
       [ -f "$f" ] && cp "$f" "$keep/"
     done
+    # per-case results (the evaluations' ranks) kept gzip-compressed, ~15x smaller: the tree travels
+    # with every call; `coreply report` and bench/compare_evals.py read them as they are
+    find "$keep" -maxdepth 1 -name '*.json' -size +40k -exec gzip -9nf {} +
     for run in "$LEASE"/*/; do
       name=$(basename "$run")
       for f in metrics.jsonl summary.json train_config.json; do
