@@ -432,7 +432,7 @@ def main() -> None:
     result = {**provenance(), "bundle": ready, "peer_cross": args.peer_cross, "think_ms": args.think_ms,
               "peer_pool": args.peer_pool, "peer_pool_encode_s": peer.pool_encode_s if peer else None,
               "rows": rows}  # fmt: skip
-    write_json_atomic(args.out, result)
+    write_json_atomic(args.out, result, sort_keys=False)
     print(f"wrote {args.out}")
 
 

@@ -74,7 +74,7 @@ def main() -> None:
         "other_5xx": sum(n for k, n in codes.items() if k.split()[-1].startswith("5")) - deadline_504s[0],
         "failures": failures,
     }
-    write_json_atomic(args.out, report)
+    write_json_atomic(args.out, report, sort_keys=False)
     summary = {k: v for k, v in report.items() if k != "failures"} | {"failures": len(failures)}
     print(json.dumps(summary, indent=2))
 

@@ -76,7 +76,7 @@ def main() -> None:
         "dim": int(bundle.index.d),
         "rows": rows,
     }
-    write_json_atomic(args.out, result)
+    write_json_atomic(args.out, result, sort_keys=False)
 
 
 if __name__ == "__main__":

@@ -119,7 +119,7 @@ def main() -> None:
         "cascade": args.cascade,
         **result,
     }
-    write_json_atomic(args.out, report)
+    write_json_atomic(args.out, report, sort_keys=False)
     print(json.dumps(report, indent=2))
 
 

@@ -143,7 +143,7 @@ def main() -> None:
     }
     print(json.dumps(result, indent=1))
     if args.out:
-        write_json_atomic(Path(args.out), result)
+        write_json_atomic(Path(args.out), result, sort_keys=False)
 
 
 if __name__ == "__main__":

@@ -105,7 +105,7 @@ def main() -> None:
         "rows": rows,
     }
     if args.out:
-        write_json_atomic(Path(args.out), result)
+        write_json_atomic(Path(args.out), result, sort_keys=False)
 
 
 def engine_added_ms(args: argparse.Namespace) -> dict:

@@ -112,7 +112,7 @@ def main() -> None:
         "machine": f"{platform.machine()} {platform.system()}",
     }
     if args.out:
-        write_json_atomic(Path(args.out), result)
+        write_json_atomic(Path(args.out), result, sort_keys=False)
 
 
 def _best(scores: np.ndarray, k: int) -> np.ndarray:

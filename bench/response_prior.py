@@ -86,7 +86,7 @@ def main() -> None:
         },
     }
     if args.out:
-        write_json_atomic(Path(args.out), result)
+        write_json_atomic(Path(args.out), result, sort_keys=False)
 
 
 def _row(got: dict, base: dict) -> dict[str, float]:

@@ -137,7 +137,7 @@ def sweep(args: argparse.Namespace) -> None:
         "machine": f"{platform.machine()} {platform.system()}",
     }
     if args.out:
-        write_json_atomic(Path(args.out), result)
+        write_json_atomic(Path(args.out), result, sort_keys=False)
 
 
 def main() -> None:
@@ -272,7 +272,7 @@ def main() -> None:
         "machine": f"{platform.machine()} {platform.system()}",
     }
     if args.out:
-        write_json_atomic(Path(args.out), result)
+        write_json_atomic(Path(args.out), result, sort_keys=False)
 
 
 if __name__ == "__main__":

@@ -114,7 +114,7 @@ def main() -> None:
         for op in ops:
             print(f"| {op['op']} | {op['calls_per_batch']} | {op['self_host_ms']} | {op['self_device_ms']} |")
     if args.out:
-        write_json_atomic(args.out, result)
+        write_json_atomic(args.out, result, sort_keys=False)
         print(f"wrote {args.out}")
 
 

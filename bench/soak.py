@@ -123,7 +123,7 @@ def main() -> None:
         "server_exit_code": exited,  # None: it served to the end
         "windows": windows,
     }
-    write_json_atomic(args.out, report)
+    write_json_atomic(args.out, report, sort_keys=False)
     print(json.dumps({k: v for k, v in report.items() if k != "windows"}, indent=2))
     if exited is not None:
         raise SystemExit(f"coreply serve exited ({exited}) after {last['t_s']} s; see {args.out}")

@@ -61,23 +61,25 @@ def file_mismatch(root: Path, recorded: dict[str, str], meta: str) -> str | None
     return None
 
 
-def dumps(data: Any, indent: str = "") -> str:
-    """JSON with objects and nested lists indented two spaces a level, keys sorted, and a list of
-    scalars on one line: per-case ranks stay readable at half the size of one value a line."""
+def dumps(data: Any, indent: str = "", sort_keys: bool = True) -> str:
+    """JSON with objects and nested lists indented two spaces a level, keys sorted (unless
+    ``sort_keys`` is false: a bench's rows in the order it measured them), and a list of scalars on one
+    line: per-case ranks stay readable at half the size of one value a line."""
     inner = indent + "  "
     if isinstance(data, dict) and data:
-        keys = ((k if isinstance(k, str) else json.dumps(k), v) for k, v in sorted(data.items()))
-        items = (f"{inner}{json.dumps(k)}: {dumps(v, inner)}" for k, v in keys)
+        pairs = sorted(data.items()) if sort_keys else data.items()
+        keys = ((k if isinstance(k, str) else json.dumps(k), v) for k, v in pairs)
+        items = (f"{inner}{json.dumps(k)}: {dumps(v, inner, sort_keys)}" for k, v in keys)
         return "{\n" + ",\n".join(items) + f"\n{indent}}}"
     if isinstance(data, (list, tuple)) and any(isinstance(v, (dict, list, tuple)) for v in data):
-        return "[\n" + ",\n".join(inner + dumps(v, inner) for v in data) + f"\n{indent}]"
+        return "[\n" + ",\n".join(inner + dumps(v, inner, sort_keys) for v in data) + f"\n{indent}]"
     return json.dumps(data)
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
+def write_json_atomic(path: Path, data: Any, sort_keys: bool = True) -> None:
     """Write JSON (:func:`dumps`) to ``path`` via a temporary file + fsync + rename; gzip-compressed
     where the name ends in ``.gz`` (raw per-case results shrink about 15 times)."""
-    text = (dumps(data) + "\n").encode()
+    text = (dumps(data, sort_keys=sort_keys) + "\n").encode()
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     with open(tmp, "wb") as fh:
         fh.write(gzip.compress(text, mtime=0) if path.name.endswith(".gz") else text)

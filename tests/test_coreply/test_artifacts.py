@@ -20,6 +20,8 @@ def test_json_is_what_json_reads_back_with_lists_of_scalars_on_one_line(tmp_path
     assert '"ranks": [3, 1, 17],' in text and '"n_r": [5, 10],' in text
     assert '"B": [\n    {\n      "ranks"' in text  # objects stay indented, keys sorted
     assert text.endswith("}\n") and list(tmp_path.iterdir()) == [path]  # no temporary file left
+    write_json_atomic(path, {"rows": {"fp32": 1, "int8": 2, "bf16": 3}}, sort_keys=False)
+    assert list(json.loads(path.read_text())["rows"]) == ["fp32", "int8", "bf16"]  # a bench's order kept
 
 
 def test_a_gz_name_is_written_compressed_and_read_back_and_a_broken_one_is_an_oserror(tmp_path):
