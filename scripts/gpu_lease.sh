@@ -65,12 +65,12 @@
 #         run it at the end of every call, and here after it:  bash scripts/gpu_lease.sh unpack:FILES_AT
 #         (checks the parts, unpacks them into runs/lease, copies the results, JSONs over 40 kB gzipped,
 #         and adapters into KEEP, default docs/lease-<today>, to commit: runs/ does not outlive this VM;
-#         and says whether the tree and .lease still fit a call: once a choice is made, `git rm` the kept weights that are not
-#         shipped, git keeps them). Every run's reranker trained in full comes back as rank-PACK_RANK
-#         adapters (default 32, `coreply compact`, ~3 MB: the form that fits in git; `eval` measures
-#         PACK_FULL's, as RUN-r32), and in fp16 for the runs named in PACK_FULL (default the queue's
-#         first); other full-weight models (Dial-MAE, the grounded rankers: 60-180 MB each) stay on the
-#         machine.
+#         and says whether the tree and .lease still fit a call: once a choice is made, `git rm` the
+#         kept weights that are not shipped, git keeps them). Every run's reranker trained in full
+#         comes back as rank-PACK_RANK adapters (default 32, `coreply compact`, ~3 MB: the form that fits
+#         in git; `eval` measures PACK_FULL's, as RUN-r32), and in fp16 for the runs named in PACK_FULL
+#         (default the queue's first); other full-weight models (Dial-MAE, the grounded rankers: 60-180 MB
+#         each) stay on the machine.
 #
 # Issue #14 (serving on the GPU), a call of its own once `setup` has run on the machine (the two carries
 # together exceed one call's 64 MiB):
