@@ -16,7 +16,7 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any, NoReturn
 
-from coreply.artifacts import check_out_file, read_json
+from coreply.artifacts import check_out_file, read_json, write_json_atomic
 from coreply.config import ZERO_SHOT, ModelConfig
 from coreply.gate import GATE_FIDELITY, REACH_FIDELITY
 from coreply.lexical import DEPTH as LEXICAL_DEPTH
@@ -545,16 +545,25 @@ def _ground_eval(args: argparse.Namespace) -> int:
     if len({normalize(t) for t in negatives}) < 2:
         raise CliError(f"--data {args.data}: the test responses need at least 2 distinct texts")
     name = args.name or result_name(args.out)
+    others = []  # read before the evaluation, so that a bad one is said before the work, not after
+    for path in args.against:
+        try:
+            other = read_json(path)
+        except (OSError, ValueError) as exc:
+            raise CliError(f"--against {path}: cannot read it ({exc})") from exc
+        meta = other.get("meta") if isinstance(other, dict) else None
+        if not isinstance(meta, dict) or not {"name", "seed"} <= meta.keys() or "ranks" not in other:
+            raise CliError(
+                f"--against {path}: not a `coreply ground eval` JSON (no ranks, meta.name, meta.seed)"
+            )
+        if meta["seed"] != args.seed or len(other["ranks"]) != len(test):
+            raise CliError(f"--against {path}: evaluated on other cases (its --seed or --limit differ)")
+        others.append(other)
     top_m = args.top_m or trained_top_m(args.cross)
     result = evaluate_grounded(
         name, cross, retriever, test, negatives, args.candidates, top_m, not args.no_knowledge, args.seed
     )
-    result["against"] = {}
-    for path in args.against:
-        other = read_json(path)
-        result["against"][other["meta"]["name"]] = significance(result, other)
-    from coreply.artifacts import write_json_atomic
-
+    result["against"] = {other["meta"]["name"]: significance(result, other) for other in others}
     write_json_atomic(Path(args.out), result)
     shown = {k: round(v, 2) for k, v in result["metrics"].items() if k in ("hits@1", "hits@5", "mrr")}
     print(
@@ -659,7 +668,6 @@ def _not_an_input(out: str, **inputs: str | list[str] | None) -> None:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from coreply.artifacts import write_json_atomic
     from coreply.checkpoint import read_meta
     from coreply.corpus import responses_of
     from coreply.device import resolve_device

@@ -2,6 +2,7 @@
 leakage rules, the knowledge retriever's pick, reciprocal learning's two losses, training end to end on
 the tiny model, and knowledge through a bundle, the service and the CLI."""
 
+import gzip
 import json
 
 import pytest
@@ -287,6 +288,34 @@ def test_cli_ground_train_eval_and_index_build(tmp_path, tiny_model_dir, tiny_co
     evaluate = ["ground", "eval", "--cross", str(run / "cross"), "--data", str(data), "--candidates", "4"]
     assert main([*evaluate, "--knowledge-retriever", str(run / "knowledge"), "--out", str(out)]) == 0
     assert json.loads(out.read_text())["meta"]["knowledge"] == "retrieved top-2"  # as trained
+    packed = tmp_path / "eval.json.gz"  # --against reads a compressed result too
+    packed.write_bytes(gzip.compress(out.read_bytes()))
+    against = [*evaluate, "--out", str(tmp_path / "again.json"), "--name", "again", "--against", str(packed)]
+    assert main(against) == 0
+    assert set(json.loads((tmp_path / "again.json").read_text())["against"]["eval"]) == {"hits@1", "mrr"}
+    (tmp_path / "list.json").write_text("[]")
+    for bad, said in (
+        ("missing.json", "cannot read it"),
+        ("list.json", "not a `coreply ground eval` JSON"),
+        ("eval.json", "evaluated on other cases"),  # with another --seed below
+    ):
+        assert (
+            main(
+                [
+                    *evaluate,
+                    "--out",
+                    str(tmp_path / "x.json"),
+                    "--seed",
+                    "7",
+                    "--against",
+                    str(tmp_path / bad),
+                ]
+            )
+            == 2
+        )
+        err = capsys.readouterr().err
+        assert f"--against {tmp_path / bad}: {said}" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "x.json").exists()
     persona = tmp_path / "persona.txt"
     persona.write_text("pizza and pasta\n\n")
     build = [
