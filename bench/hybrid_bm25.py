@@ -92,7 +92,8 @@ def measure(split: str, pairs: list, dense: Pipeline, bm25s: list[BM25], terms: 
     dense_only = retrieve_and_rerank(pairs, dense, args.depth, 0)
     queries = [" ".join(QUERIES[args.query](context)) for context in contexts]
 
-    def row(got: Retrieved, name: str, weight: float | None) -> dict:
+    def row(got: Retrieved, name: str, weight: float | None, dense_ranks: list | None = None) -> dict:
+        """A row; a weighted one is paired with ``dense_ranks``, dense alone's."""
         fusion, w = ("retrieval", 0.0) if weight is None else ("zscore", weight)
         ranks = ranks_for(pairs, dense.keys, got, fusion, args.depth, w)
         top = [dense.texts[ids[0]] if len(ids) else None for ids in ranked_ids(got, fusion, args.depth, w)]
@@ -100,7 +101,7 @@ def measure(split: str, pairs: list, dense: Pipeline, bm25s: list[BM25], terms: 
         out = {"system": f"{split}: {name}", "split": split, "metrics": summarize(ranks), "ranks": ranks,
                "restates": restates}  # fmt: skip
         if weight is not None:
-            mine, theirs = per_case(ranks, "hits@1"), per_case(rows[0]["ranks"], "hits@1")
+            mine, theirs = per_case(ranks, "hits@1"), per_case(dense_ranks, "hits@1")
             versus = {"wins": int((mine > theirs).sum()), "losses": int((mine < theirs).sum()),
                       "p": round(paired_bootstrap(mine, theirs), 4)}  # fmt: skip
             out |= {"weight": weight, "against_dense": versus}
@@ -120,7 +121,7 @@ def measure(split: str, pairs: list, dense: Pipeline, bm25s: list[BM25], terms: 
         )
         for weight in args.weights:
             name = f"dense + BM25 (k1={bm25.k1:g}, b={bm25.b:g}), w={weight}"
-            rows.append(row(got, name, weight) | {"k1": bm25.k1, "b": bm25.b})
+            rows.append(row(got, name, weight, rows[0]["ranks"]) | {"k1": bm25.k1, "b": bm25.b})
     gold = [p.response for p in pairs]
     people = {"judge": round(judge.rate(contexts, gold), 2), "words": words_rate(contexts, gold)}
     rows[0]["people_restate"] = people

@@ -174,12 +174,16 @@ def main() -> None:
         return sweep(args)
     others = {}
     for path in args.against:
-        others[path] = other = read_json(path)
+        try:
+            others[path] = other = read_json(path)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"--against {path}: cannot read it ({e})") from None
+        meta = other.get("meta", {}) if isinstance(other, dict) else {}
         if (
             "top1_cases" not in other
-            or other["meta"]["split"] != args.split
-            or other["meta"]["pairs"] != args.limit
-            or other["meta"].get("start", 0) != args.start
+            or meta.get("split") != args.split
+            or meta.get("pairs") != args.limit
+            or meta.get("start", 0) != args.start
         ):
             span = f"{args.split}[{args.start}:{args.start + args.limit}]"
             raise SystemExit(f"--against {path}: not a run of this bench on {span}")
