@@ -16,7 +16,7 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any, NoReturn
 
-from coreply.artifacts import check_out_file, read_json, write_json_atomic
+from coreply.artifacts import check_out_file, read_json, write_atomic, write_json_atomic
 from coreply.config import ZERO_SHOT, ModelConfig
 from coreply.gate import GATE_FIDELITY, REACH_FIDELITY
 from coreply.lexical import DEPTH as LEXICAL_DEPTH
@@ -92,9 +92,19 @@ def run_dir(text: str) -> str:
     path = Path(text)
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a file; name a folder for the run")
+    made = next(p for p in (path.absolute(), *path.absolute().parents) if p.exists())  # the run's mkdir
+    if not made.is_dir() or not os.access(made, os.W_OK | os.X_OK):  # starts here: refused now, not after
+        raise argparse.ArgumentTypeError(f"{text} cannot be made: {made} is not a folder you can write to")
     for name, kind in ((MANIFEST, "bundle"), (META, "checkpoint")):
         if (path / name).is_file():
             raise argparse.ArgumentTypeError(f"{text} is a {kind} ({name}); name a folder for the run")
+    return text
+
+
+def base_model(text: str) -> str:
+    """An argparse type: 'default', or a local Hugging Face model folder (checked before the slow work)."""
+    if text != "default" and not (Path(text) / "config.json").is_file():
+        raise argparse.ArgumentTypeError(f"{text} is not a local Hugging Face model folder (no config.json)")
     return text
 
 
@@ -162,7 +172,10 @@ def _prior_pairs(flag: str | None, builtin_train: list | None) -> list:
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument(
-        "--base-model", default="default", help="'default' (all-MiniLM-L6-v2 from PyPI) or a local HF dir"
+        "--base-model",
+        type=base_model,
+        default="default",
+        help="'default' (all-MiniLM-L6-v2 from PyPI) or a local HF dir",
     )
     g.add_argument("--pooling", choices=["cls", "mean"], default="mean", help="how token vectors become one")
     g.add_argument(
@@ -275,20 +288,21 @@ def _train_parser(sub) -> None:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    from coreply.readers import read_pairs
+    from training.config import TrainConfig
+
+    values = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if f.name not in {"model"}}
+    config = TrainConfig(**values, model=_model_config(args))
+    _prepare_run_dir(Path(config.output_dir), config, args.resume, args.overwrite)
+    splits = _load_data(args.data, config.model.max_turns)  # a bad file is said before torch's imports
+    valid = read_pairs(args.valid_data) if args.valid_data else splits.get("valid", [])
     import torch.distributed as dist
 
     from coreply.corpus import build_pool
     from coreply.device import resolve_device
-    from coreply.readers import read_pairs
-    from training.config import TrainConfig
     from training.trainer import Trainer
 
-    values = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if f.name not in {"model"}}
-    config = TrainConfig(**values, model=_model_config(args))
     resolve_device(config.device)
-    _prepare_run_dir(Path(config.output_dir), config, args.resume, args.overwrite)
-    splits = _load_data(args.data, config.model.max_turns)
-    valid = read_pairs(args.valid_data) if args.valid_data else splits.get("valid", [])
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         import torch
 
@@ -361,6 +375,9 @@ def _pretrain_parser(sub) -> None:
 
 
 def _cmd_pretrain(args: argparse.Namespace) -> int:
+    if (Path(args.output_dir) / "bi").exists():
+        raise CliError(f"{args.output_dir} already holds a post-trained encoder (bi/); choose another -o")
+    pairs = _load_data(args.data, args.max_turns)["train"]  # a bad file is said before torch's imports
     from coreply.device import resolve_device
     from training.dialmae import DialMAEConfig, pretrain
 
@@ -377,9 +394,6 @@ def _cmd_pretrain(args: argparse.Namespace) -> int:
         device=args.device,
     )
     resolve_device(config.device)
-    if (Path(config.output_dir) / "bi").exists():
-        raise CliError(f"{config.output_dir} already holds a post-trained encoder (bi/); choose another -o")
-    pairs = _load_data(args.data, config.model.max_turns)["train"]
     print(json.dumps(pretrain(config, pairs), indent=2))
     print(f"fine-tune from it: coreply train --init-bi {Path(config.output_dir) / 'bi'} ...")
     return 0
@@ -489,12 +503,9 @@ def _grounded_data(spec: str, max_turns: int) -> dict[str, list]:
 def _cmd_ground(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from coreply.device import resolve_device
-
     if args.ground_command == "eval":
         return _ground_eval(args)
     from training.config import GroundedConfig
-    from training.reciprocal import train_grounded
 
     model = replace(_model_config(args), max_knowledge_tokens=args.max_knowledge_tokens)
     keys = (
@@ -517,10 +528,13 @@ def _cmd_ground(args: argparse.Namespace) -> int:
         "device",
     )
     config = GroundedConfig(output_dir=args.output_dir, model=model, **{k: getattr(args, k) for k in keys})
-    resolve_device(config.device)
     if (Path(config.output_dir) / "summary.json").exists():
         raise CliError(f"{config.output_dir} already holds a grounded run; choose another -o")
-    data = _grounded_data(args.data, model.max_turns)
+    data = _grounded_data(args.data, model.max_turns)  # a bad file is said before torch's imports
+    from coreply.device import resolve_device
+    from training.reciprocal import train_grounded
+
+    resolve_device(config.device)
     command = shlex.join(["coreply", *(args.argv or sys.argv[1:])])
     summary = train_grounded(config, data["train"], data.get("valid", []), command)
     print(json.dumps(summary, indent=2))
@@ -528,6 +542,11 @@ def _cmd_ground(args: argparse.Namespace) -> int:
 
 
 def _ground_eval(args: argparse.Namespace) -> int:
+    from coreply.checkpoint_meta import read_meta
+
+    for path in (args.cross, args.knowledge_retriever):  # what a typo names is said before the imports
+        if path:
+            read_meta(path, verify=False)  # loading verifies every hash
     from coreply.checkpoint import load_checkpoint
     from coreply.device import resolve_device
     from coreply.knowledge import trained_top_m
@@ -668,19 +687,15 @@ def _not_an_input(out: str, **inputs: str | list[str] | None) -> None:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from coreply.checkpoint import read_meta
+    from coreply.checkpoint_meta import read_meta
     from coreply.corpus import responses_of
-    from coreply.device import resolve_device
     from coreply.readers import read_pairs, read_pool
-    from evaluation.protocols import conversation_others, pool_for_eval
-    from evaluation.report import EvalSpec, run_eval
 
     if not args.bi and not args.cross and "bm25" not in args.retriever:
-        raise CliError("eval: give --bi, --cross or --retriever bm25")
+        raise CliError("give --bi, --cross or --retriever bm25")
     _not_an_input(
         args.out, data=args.data, valid_data=args.valid_data, pool=args.pool, prior_pairs=args.prior_pairs
     )
-    device = str(resolve_device(args.device))
     for path in (args.bi, args.cross, args.judge if args.judge != "none" else None):  # fail fast
         if path and path != ZERO_SHOT:
             read_meta(path)
@@ -698,6 +713,11 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         splits = {"test": cases}
     valid = read_pairs(args.valid_data) if args.valid_data else splits.get("valid", [])
     pool = read_pool(args.pool)[0] if args.pool else None
+    from coreply.device import resolve_device  # torch's and the models' imports, after the inputs' checks
+    from evaluation.protocols import conversation_others, pool_for_eval
+    from evaluation.run import EvalSpec, run_eval
+
+    device = str(resolve_device(args.device))
     test = cases[: args.limit or None]
     if pool is not None:
         from coreply.text import normalize
@@ -758,10 +778,12 @@ def _report_parser(sub) -> None:
     p = sub.add_parser("report", help="merge eval JSON files into a markdown table (+ n_r plot)")
     p.add_argument("inputs", nargs="+")
     p.add_argument("--out", type=out_file, required=True, help="markdown file")
-    p.add_argument("--plot", default=None, help="PNG of hits@1 and ms/case against n_r")
+    p.add_argument("--plot", type=out_file, default=None, help="PNG of hits@1 and ms/case against n_r")
     p.add_argument("--runs", nargs="*", default=[], help="training summary.json files for the training table")
     p.add_argument("--scale", default="", help="label for the header (e.g. cpu, gpu)")
-    p.add_argument("--curves", default=None, help="PNG of every run's validation hits@1 (needs --runs)")
+    p.add_argument(
+        "--curves", type=out_file, default=None, help="PNG of every run's validation hits@1 (needs --runs)"
+    )
     p.add_argument(
         "--against",
         default=None,
@@ -773,33 +795,37 @@ def _report_parser(sub) -> None:
 
 def _cmd_report(args: argparse.Namespace) -> int:
     from evaluation.plots import plot_nr_sweep, plot_runs
-    from evaluation.report import check_result, check_summary, merge_sweeps, render_markdown
+    from evaluation.tables import check_result, check_summary, merge_sweeps, render_markdown
 
     def read(path: str, check: Callable[[Any], None]) -> dict:
         try:
             obj = read_json(path)
             check(obj)
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CliError(f"report: cannot read {path}: {exc}") from exc
+            raise CliError(f"cannot read {path}: {exc}") from exc
         except ValueError as exc:
-            raise CliError(f"report: {path}: {exc}") from exc
+            raise CliError(f"{path}: {exc}") from exc
         return obj
 
+    if args.curves and not args.runs:
+        raise CliError("--curves plots training runs: give their summary.json files with --runs")
     _not_an_input(args.out, inputs=args.inputs, runs=args.runs)
     results = [read(path, check_result) for path in args.inputs]
     names = [r["meta"]["name"] for r in results]
     if args.against is not None and args.against not in names:
-        raise CliError(f"report: --against {args.against!r} names none of the inputs' runs ({names})")
+        raise CliError(f"--against {args.against!r} names none of the inputs' runs ({names})")
     runs = {Path(p).parent.name: read(p, check_summary) for p in args.runs}
     try:
         table = render_markdown(results, runs, args.scale, against=args.against)
     except ValueError as exc:
-        raise CliError(f"report: {exc}") from exc
-    Path(args.out).write_text(table)
-    if args.curves and args.runs:
+        raise CliError(str(exc)) from exc
+    write_atomic(Path(args.out), table.encode())
+    if args.curves:
         plot_runs({Path(p).parent.name: Path(p).parent / "metrics.jsonl" for p in args.runs}, args.curves)
     if args.plot and merge_sweeps(results):
         plot_nr_sweep(merge_sweeps(results), args.plot)
+    elif args.plot:
+        print("note: no --plot written: no input has an n_r sweep (`coreply eval --n-r` of several values)")
     print(f"wrote {args.out}")
     return 0
 
@@ -982,10 +1008,11 @@ def _cmd_index(args: argparse.Namespace) -> int:
         return 0
     if args.index_command == "withdraw":
         return _withdraw(args)
-    from coreply.device import resolve_device
-    from index_builder.build import build_bundle
+    from coreply.checkpoint_meta import read_meta
 
-    resolve_device(args.device)
+    for path in (args.bi, args.cross, args.knowledge_retriever):  # what a typo names is said at once
+        if path and path != ZERO_SHOT:
+            read_meta(path, verify=False)  # the build verifies every hash
     if args.pool == "chitchat":
         from coreply.corpus import load_chitchat, responses_of
 
@@ -1006,6 +1033,11 @@ def _cmd_index(args: argparse.Namespace) -> int:
         print("note: no --queries pairs to calibrate on: the bundle has no restatement guard")
     if args.lexical == "auto" and not pairs:
         print("note: no --queries pairs to choose the lexical weight on: the bundle has no lexical stage")
+    knowledge = _knowledge_file(args.knowledge) if args.knowledge else ()
+    from coreply.device import resolve_device  # torch's and the models' imports, after the inputs' checks
+    from index_builder.build import build_bundle
+
+    resolve_device(args.device)
     manifest = build_bundle(
         args.output,
         texts,
@@ -1021,7 +1053,7 @@ def _cmd_index(args: argparse.Namespace) -> int:
         metadata=metadata,
         command=shlex.join(["coreply", *(sys.argv[1:] if args.argv is None else args.argv)]),
         knowledge_retriever=args.knowledge_retriever,
-        knowledge=_knowledge_file(args.knowledge) if args.knowledge else (),
+        knowledge=knowledge,
         top_m=args.top_m,
         guard_pairs=pairs,
         guard_quantile=args.restatement_quantile,
@@ -1084,7 +1116,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from coreply.bundle import MANIFEST
-    from service.server import serve
     from service.settings import DEFAULT_BUNDLE, Settings
 
     flags = ("bundle", "host", "port", "backend", "threads", "device")
@@ -1097,22 +1128,25 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         flag = f"--{field.replace('_', '-')} / " if field in flags else ""  # the rest are environment only
         name = f"{flag}COREPLY_{field.upper()}" if field else "the settings"
         raise CliError(f"{name}: {first['msg'].removeprefix('Value error, ')}") from None
+    built_in = settings.bundle == DEFAULT_BUNDLE
+    if not built_in and not (settings.bundle / MANIFEST).is_file():  # said before torch's imports
+        raise CliError(f"no bundle at {settings.bundle}; build one with `coreply index build -o DIR`")
     from coreply.device import on_own_thread, resolve_device
 
     try:
         resolve_device(settings.device)  # this host has it
     except ValueError as exc:
         raise CliError(f"--device / COREPLY_DEVICE: {exc}") from None
-    if settings.bundle == DEFAULT_BUNDLE:
+    if built_in:
         from index_builder.default import ensure_default_bundle
 
         on_own_thread(ensure_default_bundle, settings.bundle)  # its OpenMP threads end with it
-    elif not (settings.bundle / MANIFEST).is_file():
-        raise CliError(f"no bundle at {settings.bundle}; build one with `coreply index build -o DIR`")
     else:  # fail fast with a clear message rather than inside the server's lifespan
         from coreply.bundle import read_manifest
 
         read_manifest(settings.bundle)
+    from service.server import serve
+
     serve(settings)
     return 0
 
@@ -1171,6 +1205,9 @@ def _remote(url: str, api_key: str | None, knowledge: list[str] | None):
 
 def _local(path: Path, knowledge: list[str] | None):
     """``answer(context, said)`` in-process through :class:`coreply.Responder`."""
+    from coreply.bundle import read_manifest
+
+    read_manifest(path, verify=False)  # a bundle, said at once; loading it verifies every hash
     from coreply.responder import Responder
 
     bot = Responder.load(path)
@@ -1241,14 +1278,15 @@ def _compact_parser(sub) -> None:
 
 
 def _cmd_compact(args: argparse.Namespace) -> int:
-    from coreply.adapters import extract_lora
-    from coreply.checkpoint import load_checkpoint, model_class, read_meta, save_checkpoint
+    from coreply.checkpoint_meta import read_meta
 
     meta = read_meta(args.checkpoint, verify=False)  # load_checkpoint verifies it
     if "adapter" in meta:
         raise CliError(f"{args.checkpoint}: already compact (adapters of rank {meta['adapter'].get('rank')})")
     if Path(args.out).resolve() == Path(args.checkpoint).resolve():
         raise CliError("--out: must differ from the checkpoint it compacts")
+    from coreply.adapters import extract_lora  # torch's and the models' imports, after the checks
+    from coreply.checkpoint import load_checkpoint, model_class, save_checkpoint
     tuned = load_checkpoint(args.checkpoint)
     model = model_class(meta["kind"], tuned.config).from_pretrained(tuned.config).eval()
     try:

@@ -76,16 +76,25 @@ def dumps(data: Any, indent: str = "", sort_keys: bool = True) -> str:
     return json.dumps(data)
 
 
-def write_json_atomic(path: Path, data: Any, sort_keys: bool = True) -> None:
-    """Write JSON (:func:`dumps`) to ``path`` via a temporary file + fsync + rename; gzip-compressed
-    where the name ends in ``.gz`` (raw per-case results shrink about 15 times)."""
-    text = (dumps(data, sort_keys=sort_keys) + "\n").encode()
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temporary file beside it + fsync + rename: a reader sees the old
+    file or the whole new one, never a part."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(gzip.compress(text, mtime=0) if path.name.endswith(".gz") else text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_json_atomic(path: Path, data: Any, sort_keys: bool = True) -> None:
+    """Write JSON (:func:`dumps`) to ``path`` atomically (:func:`write_atomic`); gzip-compressed where
+    the name ends in ``.gz`` (raw per-case results shrink about 15 times)."""
+    text = (dumps(data, sort_keys=sort_keys) + "\n").encode()
+    write_atomic(path, gzip.compress(text, mtime=0) if path.name.endswith(".gz") else text)
 
 
 def read_json(path: str | Path) -> Any:

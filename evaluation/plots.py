@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 from typing import Any
+
+from coreply.artifacts import write_atomic
 
 
 def _pyplot():
@@ -14,6 +17,15 @@ def _pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def _save(plt: Any, fig: Any, out_png: str | Path) -> None:
+    """The figure laid out and written as a PNG, atomically; then closed."""
+    fig.tight_layout()
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=100)
+    plt.close(fig)
+    write_atomic(Path(out_png), png.getvalue())
 
 
 def _records(metrics_jsonl: str | Path) -> list[dict[str, Any]]:
@@ -62,9 +74,7 @@ def plot_training_curves(metrics_jsonl: str | Path, out_png: str | Path) -> None
     bottom.set_xlabel("optimizer step")
     bottom.set_ylabel("training loss")
     bottom.legend()
-    fig.tight_layout()
-    fig.savefig(out_png, dpi=100)
-    plt.close(fig)
+    _save(plt, fig, out_png)
 
 
 def plot_runs(metrics_by_run: dict[str, str | Path], out_png: str | Path) -> None:
@@ -82,9 +92,7 @@ def plot_runs(metrics_by_run: dict[str, str | Path], out_png: str | Path) -> Non
         ax.set_ylabel("valid hits@1, pool (%)" if keys is POOL else "valid hits@1 (%)")
         _legend(ax, fontsize=7)
     axes[-1, 0].set_xlabel("optimizer step")
-    fig.tight_layout()
-    fig.savefig(out_png, dpi=100)
-    plt.close(fig)
+    _save(plt, fig, out_png)
 
 
 def plot_nr_sweep(sweep: list[dict[str, Any]], out_png: str | Path) -> None:
@@ -101,6 +109,4 @@ def plot_nr_sweep(sweep: list[dict[str, Any]], out_png: str | Path) -> None:
     right.set_xlabel("n_r")
     right.set_ylabel("ms per case")
     left.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out_png, dpi=100)
-    plt.close(fig)
+    _save(plt, fig, out_png)

@@ -98,7 +98,7 @@ def test_poly_trains_in_the_other_modes(mode, tiny_poly_core, poly_config, toy_p
 
 
 def test_protocol_a_and_b_report_the_poly_stage(tiny_poly_core, toy_pairs):
-    from evaluation.report import EvalSpec, run_eval
+    from evaluation.run import EvalSpec, run_eval
 
     run, _ = tiny_poly_core
     spec = EvalSpec(

@@ -3,11 +3,10 @@
 import pytest
 import torch
 
-from coreply.checkpoint import load_checkpoint, save_checkpoint
+from coreply.checkpoint import load_bi, load_checkpoint, save_checkpoint
 from coreply.config import ZERO_SHOT
 from coreply.corpus import load_chitchat
 from evaluation.protocols import evaluate_lists, protocol_a_lists
-from evaluation.report import load_bi
 
 pytestmark = pytest.mark.pretrained
 

@@ -127,7 +127,8 @@ def test_conversation_others_are_the_rest_of_a_pairs_conversation_in_its_split()
 def test_protocol_b_without_the_conversation_excludes_its_other_lines(tiny_core, toy_pairs):
     from dataclasses import replace
 
-    from evaluation.report import EvalSpec, render_markdown, run_eval
+    from evaluation.run import EvalSpec, run_eval
+    from evaluation.tables import render_markdown
 
     # one conversation per round; each test context asks a topic's question, its gold is the next
     # topic's answer, and the asked topic's answer (which the model ranks first) is a line of its round
@@ -195,7 +196,7 @@ def test_ranked_ids_order_the_answers_like_ranks_for():
 
 def test_report_keeps_two_recipes_with_one_label_apart_and_one_shared_baseline_once():
     from evaluation.metrics import summarize
-    from evaluation.report import render_markdown
+    from evaluation.tables import render_markdown
 
     def result(name, ranks):
         rows = [
@@ -213,7 +214,7 @@ def test_report_keeps_two_recipes_with_one_label_apart_and_one_shared_baseline_o
 
 def test_report_against_a_run_tests_every_other_runs_rows_against_its_row_of_the_same_role():
     from evaluation.metrics import paired_bootstrap, per_case, summarize
-    from evaluation.report import render_markdown
+    from evaluation.tables import render_markdown
 
     def result(name, bi, guarded):  # each run's retriever named by its recipe, as eval labels it
         model = {"new": "Bi-Enc (hard)", "old": "Bi-Enc (CORE)"}[name]
