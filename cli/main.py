@@ -83,18 +83,25 @@ def out_file(text: str) -> str:
     return text
 
 
+def out_dir(text: str) -> str:
+    """An argparse type: a folder to write, which may exist but not as a file, and whose nearest existing
+    parent can take it; checked before the slow work, not after."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a file; name a folder")
+    made = next(p for p in (path.absolute(), *path.absolute().parents) if p.exists())  # where mkdir starts
+    if not made.is_dir() or not os.access(made, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text} cannot be made: {made} is not a folder you can write to")
+    return text
+
+
 def run_dir(text: str) -> str:
-    """An argparse type: a training run's directory, which may exist, but not as a file, a bundle or a
-    checkpoint (the run's files and checkpoints written into one would break its seal)."""
+    """An argparse type: a training run's directory (:func:`out_dir`), but not a bundle or a checkpoint
+    (the run's files and checkpoints written into one would break its seal)."""
     from coreply.bundle import MANIFEST
     from coreply.checkpoint_meta import META
 
-    path = Path(text)
-    if path.exists() and not path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text} is a file; name a folder for the run")
-    made = next(p for p in (path.absolute(), *path.absolute().parents) if p.exists())  # the run's mkdir
-    if not made.is_dir() or not os.access(made, os.W_OK | os.X_OK):  # starts here: refused now, not after
-        raise argparse.ArgumentTypeError(f"{text} cannot be made: {made} is not a folder you can write to")
+    path = Path(out_dir(text))
     for name, kind in ((MANIFEST, "bundle"), (META, "checkpoint")):
         if (path / name).is_file():
             raise argparse.ArgumentTypeError(f"{text} is a {kind} ({name}); name a folder for the run")
@@ -836,7 +843,9 @@ def _index_parser(sub) -> None:
     b = isub.add_parser(
         "build", help="encode a response pool into a bundle (models + FAISS index + manifest)"
     )
-    b.add_argument("--output", "-o", required=True, help="bundle directory to write (replaced atomically)")
+    b.add_argument(
+        "--output", "-o", type=out_dir, required=True, help="bundle directory to write (replaced atomically)"
+    )
     b.add_argument("--bi", default=ZERO_SHOT, help="bi-encoder checkpoint dir, or 'zero-shot' (default)")
     b.add_argument("--cross", default=None, help="cross-encoder checkpoint dir (none: retrieval only)")
     b.add_argument(
@@ -1273,7 +1282,7 @@ def _compact_parser(sub) -> None:
         **DEFAULTS_SHOWN,
     )
     p.add_argument("checkpoint", help="a checkpoint dir trained in full (or its fp16 copy)")
-    p.add_argument("-o", "--out", required=True, help="the compact checkpoint dir to write")
+    p.add_argument("-o", "--out", type=out_dir, required=True, help="the compact checkpoint dir to write")
     p.add_argument("--rank", type=at_least(1), default=32, help="the adapters' rank")
 
 

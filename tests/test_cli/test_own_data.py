@@ -56,6 +56,7 @@ def own_data(tmp_path, toy_pairs):
         (["report", "e.json", "--out", "r.md", "--plot", "gone/p.png"], "--plot: gone is not a folder"),
         (["report", "e.json", "--out", "r.md", "--curves", "c.png"], "--curves plots training runs: give"),
         (["train", "-o", "/dev/null/R"], "-o: /dev/null/R cannot be made: /dev/null is not a folder"),
+        (["index", "build", "-o", "/dev/null/R"], "-o: /dev/null/R cannot be made: /dev/null is not a"),
         (["pretrain", "-o", "R", "--base-model", "gone"], "--base-model: gone is not a local Hugging Face"),
         (["eval", "--bi", "zero-shot", "--out", "."], "--out: . is a folder; name a file in it"),
         (["chat", "--url", "localhost:8000"], "--url: 'localhost:8000' is not an http(s) address"),
@@ -177,15 +178,14 @@ def test_nothing_is_written_over_what_is_not_an_artifact_of_its_kind(
     (mine / "notes.txt").write_text("keep")
     build = ["index", "build", "--bi", str(tiny_core / "bi"), "--pool", str(pool), "--onnx", "none"]
     build += ["--lexical", "off", "--calibrate", "0"]
-    for out in (pool, mine):
+    for out, says in ((pool, "is a file; name a folder"), (mine, "exists and holds no manifest.json, so it")):
         code, _, err = run(capsys, *build, "-o", str(out))
-        assert code == 2 and f"{out} exists and holds no manifest.json, so it is not replaced" in err, err
-        assert len(err.strip().splitlines()) == 1, err
+        assert code == 2 and f"{out} {says}" in err and len(err.strip().splitlines()) == 1, err
     code, _, err = run(capsys, "compact", str(tiny_core / "cross"), "--out", str(tiny_bundle))
     assert code == 2 and "holds no checkpoint.json, so it is not replaced" in err, err
     for command in (["train"], ["pretrain"], ["ground", "train"]):  # a run's folder named after a file
         code, _, err = run(capsys, *command, "-o", str(pool))
-        assert code == 2 and f"{pool} is a file; name a folder for the run" in err, err
+        assert code == 2 and f"{pool} is a file; name a folder" in err, err
     code, _, err = run(capsys, "eval", "--bi", str(tiny_core / "bi"), "--data", str(pool), "--out", str(pool))
     assert code == 2 and f"--out {pool} is the file --data reads" in err, err
     for artifact, says in ((tiny_bundle, "bundle (manifest.json)"), (tiny_core / "bi", "checkpoint")):
