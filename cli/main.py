@@ -814,8 +814,6 @@ def _cmd_report(args: argparse.Namespace) -> int:
             raise CliError(f"{path}: {exc}") from exc
         return obj
 
-    if args.curves and not args.runs:
-        raise CliError("--curves plots training runs: give their summary.json files with --runs")
     _not_an_input(args.out, inputs=args.inputs, runs=args.runs)
     results = [read(path, check_result) for path in args.inputs]
     names = [r["meta"]["name"] for r in results]
@@ -827,8 +825,10 @@ def _cmd_report(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise CliError(str(exc)) from exc
     write_atomic(Path(args.out), table.encode())
-    if args.curves:
+    if args.curves and args.runs:
         plot_runs({Path(p).parent.name: Path(p).parent / "metrics.jsonl" for p in args.runs}, args.curves)
+    elif args.curves:
+        print("note: no --curves written: no --runs (training summary.json files) to plot")
     if args.plot and merge_sweeps(results):
         plot_nr_sweep(merge_sweeps(results), args.plot)
     elif args.plot:
@@ -1296,6 +1296,7 @@ def _cmd_compact(args: argparse.Namespace) -> int:
         raise CliError("--out: must differ from the checkpoint it compacts")
     from coreply.adapters import extract_lora  # torch's and the models' imports, after the checks
     from coreply.checkpoint import load_checkpoint, model_class, save_checkpoint
+
     tuned = load_checkpoint(args.checkpoint)
     model = model_class(meta["kind"], tuned.config).from_pretrained(tuned.config).eval()
     try:

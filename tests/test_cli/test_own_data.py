@@ -54,7 +54,6 @@ def own_data(tmp_path, toy_pairs):
         (["eval", "--bi", "zero-shot", "--out", "gone/e.json"], "--out: gone is not a folder; create it"),
         (["report", "e.json", "--out", "gone/r.md"], "--out: gone is not a folder; create it"),
         (["report", "e.json", "--out", "r.md", "--plot", "gone/p.png"], "--plot: gone is not a folder"),
-        (["report", "e.json", "--out", "r.md", "--curves", "c.png"], "--curves plots training runs: give"),
         (["train", "-o", "/dev/null/R"], "-o: /dev/null/R cannot be made: /dev/null is not a folder"),
         (["index", "build", "-o", "/dev/null/R"], "-o: /dev/null/R cannot be made: /dev/null is not a"),
         (["pretrain", "-o", "R", "--base-model", "gone"], "--base-model: gone is not a local Hugging Face"),
@@ -127,9 +126,10 @@ def test_report_refuses_a_json_that_coreply_eval_did_not_write_in_one_line(capsy
     assert not (tmp_path / "r.md").exists()
     code, _, err = run(capsys, "report", "ok.json", "--out", "./ok.json")  # the run's result would be lost
     assert code == 2 and "--out ./ok.json is the file an input reads" in err, err
-    code, out, err = run(capsys, "report", "ok.json", "--out", "r.md", "--plot", "p.png")
+    code, out, err = run(capsys, "report", "ok.json", "--out", "r.md", "--plot", "p.png", "--curves", "c.png")
     assert code == 0 and "| Bi-Enc |" in (tmp_path / "r.md").read_text(), err
     assert "note: no --plot written: no input has an n_r sweep" in out and not (tmp_path / "p.png").exists()
+    assert "note: no --curves written: no --runs" in out and not (tmp_path / "c.png").exists()
 
 
 def test_serve_names_an_environment_only_setting_without_a_flag(capsys, monkeypatch, tmp_path):
