@@ -300,7 +300,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     values = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if f.name not in {"model"}}
     config = TrainConfig(**values, model=_model_config(args))
-    _prepare_run_dir(Path(config.output_dir), config, args.resume, args.overwrite)
     splits = _load_data(args.data, config.model.max_turns)  # a bad file is said before torch's imports
     valid = read_pairs(args.valid_data) if args.valid_data else splits.get("valid", [])
     import torch.distributed as dist
@@ -310,6 +309,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from training.trainer import Trainer
 
     resolve_device(config.device)
+    _prepare_run_dir(Path(config.output_dir), config, args.resume, args.overwrite)  # deletes with --overwrite
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         import torch
 
