@@ -136,6 +136,13 @@ def run_eval(spec: EvalSpec) -> dict[str, Any]:
                 )
                 recall = Pipeline(retrieve, spec.pool, keys, guard=restatement.Guard.of(guard))
                 got = recall_test(recall, depth)
+                if emptied := sum(not len(c.ids) for c in got.candidates):  # a model that scores all alike
+                    log.warning(
+                        "note: the restatement guard left %d of %d test contexts no candidate (its rows "
+                        "count them as misses; --restatement-quantile off evaluates without it)",
+                        emptied,
+                        len(spec.test),
+                    )
                 label = f"{label} + guard"
                 result.setdefault("restatement", {})["guard"] = guard
             if spec.prior_pairs and spec.guard_pairs and isinstance(retrieve, DenseRetriever):

@@ -159,6 +159,32 @@ def test_protocol_b_without_the_conversation_excludes_its_other_lines(tiny_core,
     assert "Protocol B (full pool)" in render_markdown([whole, {**apart, "B": []}])  # no B rows: no clash
 
 
+def test_a_guard_that_leaves_contexts_no_candidate_is_said(tiny_core, toy_pairs, monkeypatch, caplog):
+    from coreply import restatement
+    from evaluation.run import EvalSpec, run_eval
+
+    spec = EvalSpec(
+        name="g",
+        bi=str(tiny_core / "bi"),
+        cross=None,
+        test=list(toy_pairs[:6]),
+        valid=[],
+        pool=toy_pool(),
+        negatives=toy_pool(),
+        protocols=("B",),
+        judge=None,
+        guard_pairs=list(toy_pairs[6:20]),
+    )
+    caplog.set_level("WARNING")
+    run_eval(spec)
+    assert "no candidate" not in caplog.text  # the guard as calibrated leaves these contexts candidates
+    everything = restatement.Guard(last=-2.0, earlier=-2.0)  # every cosine is at least -2: all restate
+    monkeypatch.setattr(restatement.Guard, "of", classmethod(lambda cls, entry: everything))
+    guarded = run_eval(spec)["B"][1]
+    assert guarded["system"].endswith("+ guard") and guarded["metrics"]["hits@50"] == 0
+    assert "the restatement guard left 6 of 6 test contexts no candidate" in caplog.text
+
+
 def test_restatement_judge_flags_answers_that_repeat_the_last_turn(tiny_model_dir):
     from evaluation.restatement import RestatementJudge
 
