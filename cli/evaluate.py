@@ -117,7 +117,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     )
     for path in (args.bi, args.cross, args.judge if args.judge != "none" else None):  # fail fast
         if path and path != ZERO_SHOT:
-            read_meta(path)
+            read_meta(path, verify=False)  # loading verifies every hash
     if args.data == "chitchat":
         splits = load_data(args.data, args.max_turns)
         if args.split not in splits:
@@ -241,8 +241,9 @@ def cmd_report(args: argparse.Namespace) -> int:
         plot_runs({Path(p).parent.name: Path(p).parent / "metrics.jsonl" for p in args.runs}, args.curves)
     elif args.curves:
         print("note: no --curves written: no --runs (training summary.json files) to plot")
-    if args.plot and merge_sweeps(results):
-        plot_nr_sweep(merge_sweeps(results), args.plot)
+    sweep = merge_sweeps(results)
+    if args.plot and sweep:
+        plot_nr_sweep(sweep, args.plot)
     elif args.plot:
         print("note: no --plot written: no input has an n_r sweep (`coreply eval --n-r` of several values)")
     print(f"wrote {args.out}")
