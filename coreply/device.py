@@ -1,12 +1,18 @@
-"""The one place where the compute device is chosen."""
+"""The one place where the compute device is chosen.
+
+torch is imported by the functions that use it, not here: the service's settings check a device's name
+(:func:`check_device_name`) before anything else loads, and a refused setting is said in a fraction of a
+second instead of after torch's two.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 T = TypeVar("T")
 
@@ -25,6 +31,8 @@ def check_device_name(preference: str) -> str:
 def resolve_device(preference: str = "auto") -> torch.device:
     """Map ``auto`` / ``cpu`` / ``cuda`` / ``cuda:N`` to a device; ``auto`` takes CUDA when present.
     Anything else, or CUDA this host lacks, is a ValueError that says what to use instead."""
+    import torch
+
     if check_device_name(preference) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if preference.startswith("cuda") and not torch.cuda.is_available():
@@ -39,6 +47,7 @@ def set_threads(threads: int) -> None:
     """This process's compute threads: torch's intra-op pool. numpy's BLAS is held to one thread (a CPU's
     exact search spreads its matmul over threads of its own): OpenBLAS starts one per core, and its idle
     threads spin on the cores the next stage needs (docs/performance.md section 15)."""
+    import torch
     from threadpoolctl import threadpool_limits
 
     torch.set_num_threads(threads)
@@ -50,6 +59,7 @@ def one_openmp_thread() -> None:
     ``initializer``). A thread that runs parallel work otherwise gets a team of OpenMP workers of its own,
     and they spin for milliseconds after each kernel (section 11 of docs/performance.md; section 16: the
     exact search's helpers). Only this thread changes: OpenMP's thread count is per thread."""
+    import torch
     from threadpoolctl import threadpool_limits
 
     torch.get_num_threads()  # torch sets a new thread's OpenMP threads on its first use: that first, then 1
@@ -58,12 +68,16 @@ def one_openmp_thread() -> None:
 
 def autocast(device: torch.device):
     """bf16 autocast on CUDA, a no-op (fp32) on CPU."""
+    import torch
+
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
 def _cpu_supports(*features: str) -> bool:
     """Whether torch finds any of these CPU features (``torch.cpu._is_<feature>_supported``; a torch
     without the probe counts as not)."""
+    import torch
+
     probes = (getattr(torch.cpu, f"_is_{feature}_supported", None) for feature in features)
     return any(probe is not None and probe() for probe in probes)
 

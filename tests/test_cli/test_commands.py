@@ -42,8 +42,8 @@ def test_index_info_and_verify_load_no_model_library(tiny_bundle):
 
 
 def test_reports_and_refused_inputs_load_no_model_library(tmp_path):
-    """A report merges JSON, and a bad data file or checkpoint is refused, before torch's imports (5-9 s
-    here each, when every command imported its models first)."""
+    """A report merges JSON, and a bad data file, checkpoint, bundle or device name is refused, before
+    torch's imports (2-9 s here each, when every command imported its models first)."""
     from evaluation.metrics import summarize
 
     meta = dict(name="r", date="d", machine="m", test_pairs=1, pool_size=2, candidates_protocol_a=2)
@@ -56,6 +56,8 @@ def test_reports_and_refused_inputs_load_no_model_library(tmp_path):
         "assert main(['report', 'e.json', '--out', 'r.md']) == 0; "
         "assert main(['train', '--data', 'bad.jsonl', '-o', 'run']) == 2; "
         "assert main(['eval', '--bi', 'gone', '--out', 'x.json']) == 2; "
+        "assert main(['serve', '--bundle', 'gone']) == 2; "
+        "assert main(['serve', '--bundle', 'gone', '--device', 'gpu']) == 2; "
         "print(sorted({'torch', 'transformers'} & set(sys.modules)))"
     )
     loaded = subprocess.run(
@@ -65,6 +67,8 @@ def test_reports_and_refused_inputs_load_no_model_library(tmp_path):
     assert loaded.stdout.strip().splitlines()[-1] == "[]", loaded.stdout
     assert "bad.jsonl:1: field 'response'" in loaded.stderr, loaded.stderr
     assert "gone: not a coreply checkpoint" in loaded.stderr, loaded.stderr
+    assert "no bundle at gone" in loaded.stderr, loaded.stderr
+    assert "--device / COREPLY_DEVICE: device 'gpu' is not one of" in loaded.stderr, loaded.stderr
 
 
 @pytest.fixture(scope="module")
