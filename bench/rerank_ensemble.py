@@ -86,12 +86,12 @@ def main() -> None:
         return (np.array(ranks_for(pairs, ranking.keys, got, "retrieval", N_R)) == 1).astype(float)
 
     first, single = hits_at_1(()), hits_at_1((OWN,))
-    rows: dict[str, dict] = {"first stage": {"hits@1": round(100 * first.mean(), 2)}}
+    rows: dict[str, dict] = {"first stage": {"hits@1": round(100 * float(first.mean()), 2)}}
     for k, fusion in itertools.product(range(1, len(scores) + 1), ("sum", "zscore")):
         for members in itertools.combinations(scores, k):
             hit = hits_at_1(members, fusion)
             rows[f"{fusion}: {' + '.join(members)}"] = {
-                "hits@1": round(100 * hit.mean(), 2),
+                "hits@1": round(100 * float(hit.mean()), 2),
                 "wins_losses_vs_first_stage": [int((hit > first).sum()), int((hit < first).sum())],
                 "p_beats_first_stage": round(paired_bootstrap(hit, first), 4),
                 "wins_losses_vs_own": [int((hit > single).sum()), int((hit < single).sum())],

@@ -71,7 +71,7 @@ def against_first(hit: np.ndarray, first: np.ndarray) -> dict:
     """hits@1 of the per-pair ``hit`` [N], its wins and losses against the first stage's ``first`` [N],
     and the one-sided paired bootstrap p that it beats it."""
     return {
-        "hits@1": round(100 * hit.mean(), 2),
+        "hits@1": round(100 * float(hit.mean()), 2),
         "wins": int(((hit == 1) & (first == 0)).sum()),
         "losses": int(((hit == 0) & (first == 1)).sum()),
         "p_beats_first_stage": round(paired_bootstrap(hit, first), 4),
@@ -184,7 +184,7 @@ def main() -> None:
         for name, retrieved in got.items():
             answer = partial(top1, retrieved, golds[name], ranking.keys, n_r, weight)  # (fusion, gate, reach)
             (_, first), (answers, full) = answer("retrieval", None), answer(fusion, None)
-            rows: dict = {"first stage": {"hits@1": round(100 * first.mean(), 2)}}
+            rows: dict = {"first stage": {"hits@1": round(100 * float(first.mean()), 2)}}
             hits[name] = {"first stage": first}
             for label, (gate, reach) in gates.items():
                 gated_answers, hit = answer(fusion, gate, reach)
@@ -219,7 +219,7 @@ def main() -> None:
             out["pooled"] = {
                 "spans": measured,
                 "pairs": len(first),
-                "first stage": round(100 * first.mean(), 2),
+                "first stage": round(100 * float(first.mean()), 2),
             }
             out["pooled"] |= {label: against_first(hit, first) for label, hit in pooled.items()}
             print(

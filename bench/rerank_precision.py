@@ -143,7 +143,10 @@ def main() -> None:
 
     base = hits_at_1(recalled, "retrieval")
     rows: dict[str, dict] = {
-        "retrieval": {"hits@1": round(100 * base.mean(), 2), "top1_cases": np.flatnonzero(base).tolist()}
+        "retrieval": {
+            "hits@1": round(100 * float(base.mean()), 2),
+            "top1_cases": np.flatnonzero(base).tolist(),
+        }
     }
     weights = sorted({*args.weights, ranking.weight})  # and the bundle's calibrated one
     fusions = [("rerank", 0.0, None), ("sum", 0.0, None), *[("zscore", w, None) for w in weights]]
@@ -164,7 +167,7 @@ def main() -> None:
             name = fusion if fusion != "zscore" else f"zscore {w}"
             name += "" if gate is None else ", gated"
             row[name] = {
-                "hits@1": round(100 * hit.mean(), 2),
+                "hits@1": round(100 * float(hit.mean()), 2),
                 "wins": int(((hit == 1) & (base == 0)).sum()),
                 "losses": int(((hit == 0) & (base == 1)).sum()),
                 "p_gains": round(paired_bootstrap(hit, base), 4),
