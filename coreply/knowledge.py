@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from coreply.corpus import SPLITS, Pair, chitchat_path, speaker_turns, split_of
 from coreply.text import normalize, words
@@ -131,7 +130,6 @@ def knowledge_stats(pairs: Sequence[Pair]) -> dict[str, float]:
     }
 
 
-@torch.inference_mode()
 def select_for_pairs(
     selector: KnowledgeSelector | None, pairs: Sequence[Pair], batch_size: int = 64
 ) -> list[tuple[str, ...]]:
@@ -139,8 +137,11 @@ def select_for_pairs(
     it in the given order (the tokenizer's budget then cuts the tail)."""
     if selector is None:
         return [p.knowledge for p in pairs]
+    import torch  # here: reading grounded data needs no model, and a bad file is said before torch loads
+
     out: list[tuple[str, ...]] = []
-    for start in range(0, len(pairs), batch_size):
-        chunk = pairs[start : start + batch_size]
-        out.extend(selector([p.context for p in chunk], [p.knowledge for p in chunk]))
+    with torch.inference_mode():
+        for start in range(0, len(pairs), batch_size):
+            chunk = pairs[start : start + batch_size]
+            out.extend(selector([p.context for p in chunk], [p.knowledge for p in chunk]))
     return out

@@ -55,6 +55,7 @@ def test_reports_and_refused_inputs_load_no_model_library(tmp_path):
         "import sys; from cli.main import main; "
         "assert main(['report', 'e.json', '--out', 'r.md']) == 0; "
         "assert main(['train', '--data', 'bad.jsonl', '-o', 'run']) == 2; "
+        "assert main(['ground', 'train', '--data', 'bad.jsonl', '-o', 'run']) == 2; "
         "assert main(['eval', '--bi', 'gone', '--out', 'x.json']) == 2; "
         "assert main(['serve', '--bundle', 'gone']) == 2; "
         "assert main(['serve', '--bundle', 'gone', '--device', 'gpu']) == 2; "
@@ -65,7 +66,7 @@ def test_reports_and_refused_inputs_load_no_model_library(tmp_path):
     )
     assert loaded.returncode == 0, loaded.stdout + loaded.stderr
     assert loaded.stdout.strip().splitlines()[-1] == "[]", loaded.stdout
-    assert "bad.jsonl:1: field 'response'" in loaded.stderr, loaded.stderr
+    assert loaded.stderr.count("bad.jsonl:1: field 'response'") == 2, loaded.stderr
     assert "gone: not a coreply checkpoint" in loaded.stderr, loaded.stderr
     assert "no bundle at gone" in loaded.stderr, loaded.stderr
     assert "--device / COREPLY_DEVICE: device 'gpu' is not one of" in loaded.stderr, loaded.stderr
