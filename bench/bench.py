@@ -78,6 +78,39 @@ def refuse_below(args: argparse.Namespace, **floors: float) -> None:
             raise SystemExit(f"--out: {e}") from None
 
 
+Span = tuple[str, int, int]  # split, start, limit
+
+
+def span(flag: str, text: str) -> Span:
+    """``split:start:limit`` (e.g. ``valid:2000:4622``) as a tuple; a one-line exit naming ``flag``."""
+    try:
+        split, start, limit = text.split(":")
+        parsed = (split, int(start), int(limit))
+    except ValueError:
+        raise SystemExit(f"{flag}: {text!r} is not split:start:limit, e.g. test:0:2000") from None
+    if split not in ("valid", "test") or parsed[1] < 0 or parsed[2] < 1:
+        raise SystemExit(f"{flag}: {text!r} needs split valid or test, start >= 0 and limit >= 1")
+    return parsed
+
+
+def disjoint_spans(flag: str, texts: list[str], taken: tuple[Span, ...] = (), named: str = "") -> list[Span]:
+    """Each of ``texts`` as a :func:`span`; a one-line exit naming ``flag`` where one overlaps another or
+    one of ``taken`` (``named``: the flag that gave those), since pooled pairs must be distinct and a
+    choice measured on the pairs it was made on is not held out."""
+    spans, seen = [span(flag, t) for t in texts], list(taken)
+    for split, start, limit in spans:
+        if any(s == split and a < start + limit and start < a + n for s, a, n in seen):
+            what = f"{named} or another span" if named else "another span"
+            raise SystemExit(f"{flag}: {split}:{start}:{limit} overlaps {what}; give disjoint ones")
+        seen.append((split, start, limit))
+    return spans
+
+
+def span_name(split: str, start: int, limit: int) -> str:
+    """How results name a span: ``test[0:2000]``."""
+    return f"{split}[{start}:{start + limit}]"
+
+
 def add_pairs_args(p: argparse.ArgumentParser, split: str, start: int, limit: int) -> None:
     """``--split``, ``--start`` and ``--limit`` (which chitchat pairs a bench measures) and ``--out``
     (its JSON file); :func:`chosen_pairs` checks them."""

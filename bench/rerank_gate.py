@@ -34,9 +34,12 @@ from pathlib import Path
 import numpy as np
 
 from bench import (  # bench/bench.py: this script's directory is on sys.path
+    disjoint_spans,
     provenance,
     refuse_below,
     responder,
+    span,
+    span_name,
 )
 from coreply.artifacts import write_json_atomic
 from coreply.bundle import BACKENDS
@@ -53,18 +56,6 @@ from evaluation.protocols import (
     reranked_per_context,
     retrieve_and_rerank,
 )
-
-
-def span(flag: str, text: str) -> tuple[str, int, int]:
-    """``split:start:limit`` (e.g. ``valid:2000:4622``) as a tuple; a one-line exit naming ``flag``."""
-    try:
-        split, start, limit = text.split(":")
-        parsed = (split, int(start), int(limit))
-    except ValueError:
-        raise SystemExit(f"{flag}: {text!r} is not split:start:limit, e.g. test:0:2000") from None
-    if split not in ("valid", "test") or parsed[1] < 0 or parsed[2] < 1:
-        raise SystemExit(f"{flag}: {text!r} needs split valid or test, start >= 0 and limit >= 1")
-    return parsed
 
 
 def against_first(hit: np.ndarray, first: np.ndarray) -> dict:
@@ -127,14 +118,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None, help="JSON file to write")
     args = p.parse_args()
     args.calibrate = span("--calibrate", args.calibrate)
-    args.measure = [span("--measure", m) for m in args.measure]
-    taken = [args.calibrate]  # a gate measured on pairs it was chosen on would not be held out
-    for split, start, limit in args.measure:
-        if any(s == split and a < start + limit and start < a + n for s, a, n in taken):
-            raise SystemExit(
-                f"--measure: {split}:{start}:{limit} overlaps --calibrate or another span; give disjoint ones"
-            )
-        taken.append((split, start, limit))
+    args.measure = disjoint_spans("--measure", args.measure, (args.calibrate,), "--calibrate")
     for flag, shares in (("--fidelity", args.fidelity), ("--reach-fidelity", args.reach_fidelity)):
         if bad := [f for f in shares if not 0 <= f < 1]:
             raise SystemExit(f"{flag}: each in [0, 1), got {bad}")
@@ -152,15 +136,15 @@ def main() -> None:
     spans = [args.calibrate, *args.measure]
     got, golds = {}, {}
     for split, start, limit in spans:
-        name = f"{split}[{start}:{start + limit}]"
+        name = span_name(split, start, limit)
         pairs = splits[split][start : start + limit]
         golds[name] = [normalize(p.response) for p in pairs]
         apart = args.exclude_conversation and (split, start, limit) != args.calibrate
         exclude = conversation_others(pairs, splits[split]) if apart else None
         got[name] = retrieve_and_rerank(pairs, ranking, max(args.n_r), max(args.n_r), exclude)
         print(f"{name}: {len(pairs)} contexts recalled and reranked", flush=True)
-    calibration = f"{args.calibrate[0]}[{args.calibrate[1]}:{sum(args.calibrate[1:])}]"
-    measured = [f"{s}[{a}:{a + n}]" for s, a, n in args.measure]
+    calibration = span_name(*args.calibrate)
+    measured = [span_name(*m) for m in args.measure]
 
     def at(n_r: int) -> dict:
         """Gates and reaches chosen at ``n_r`` on the calibration span, each scored on every span and

@@ -151,6 +151,11 @@ def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):
         ("rerank_gate.py", ["--bundle", str(tiny_bundle), "--out", str(tmp_path)], f"--out: {tmp_path} is a"),
         ("rerank_gate.py", ["--bundle", str(tiny_bundle), "--n-r", "10", "0"], "--n-r: "),
         ("rerank_ensemble.py", ["--bundle", str(tmp_path), "--cross", str(tmp_path)], "--bundle: "),
+        ("as_served.py", ["--bundles", str(tiny_bundle)], "--bundles: "),
+        ("as_served.py", ["--bundles", str(tiny_bundle), str(tiny_bundle)], "--bundles: "),
+        ("as_served.py", ["--bundles", str(tiny_bundle), str(tmp_path)], "--bundle: "),
+        ("as_served.py", ["--bundles", "a", "b", "--measure", "test:0:8", "test:7:2"], "--measure: test:7"),
+        ("as_served.py", ["--bundles", "a", "b", "--threads", "0"], "--threads: "),
         (
             "rerank_ensemble.py",
             ["--bundle", str(tiny_bundle), "--cross", str(tmp_path)],
@@ -386,6 +391,49 @@ def test_rerank_gate_chooses_gates_on_one_span_and_scores_them_on_others(tmp_pat
     apart = json.loads(out.read_text())
     assert apart["exclude_conversation"] is True and result["exclude_conversation"] is False
     assert apart["n_r"]["4"]["spans"]["valid[0:12]"] == calibration
+
+
+def test_as_served_answers_as_the_gated_offline_ranking_and_pairs_bundles(tmp_path, tiny_bundle):
+    """Each bundle answers through its Responder, one context at a time: the same top answers as the
+    offline ranking rerank_gate.py scores for the bundle's own gate and reach (two paths to one answer,
+    which here differ from reranking every candidate); every later bundle is paired with the first on
+    each span and pooled."""
+    from coreply.corpus import load_chitchat
+    from coreply.responder import Responder
+    from evaluation.protocols import ranked_ids, retrieve_and_rerank
+
+    retrieval_only = tmp_path / "retrieval-only"
+    shutil.copytree(tiny_bundle, retrieval_only)
+    reseal(retrieval_only, SEALING, lambda manifest: manifest["models"].update(cross=None))
+    out = tmp_path / "served.json"
+    bench("as_served.py", "--bundles", str(tiny_bundle), str(retrieval_only), "--measure", "test:0:40",
+          "valid:2000:30", "--threads", "1", "--out", str(out))  # fmt: skip
+    result = json.loads(out.read_text())
+    names = ["test[0:40]", "valid[2000:2030]"]
+    mine = result["bundles"][str(tiny_bundle)]
+    assert mine["version"] == load_bundle(tiny_bundle).version and result["n_r"] == 10
+
+    bot = Responder.load(tiny_bundle)
+    ranking, fusion = bot.pipeline, bot.default_fusion
+    got = retrieve_and_rerank(load_chitchat()["test"][:40], ranking, 10, 10)
+    gated, always = (
+        [int(ids[0]) if len(ids) else None for ids in ranked_ids(got, fusion, 10, ranking.weight, *limits)]
+        for limits in ((ranking.gate, ranking.reach), ())
+    )
+    assert mine["spans"]["test[0:40]"]["answers"] == gated != always
+
+    assert result["bundles"][str(retrieval_only)]["fusion"] == "retrieval"
+    rows, first = result["against_first"][str(retrieval_only)], mine["spans"]
+    for name, size in zip(names, (40, 30), strict=True):
+        other = result["bundles"][str(retrieval_only)]["spans"][name]
+        assert len(other["answers"]) == size
+        assert rows[name]["hits@1"] == other["hits@1"] == round(100 * len(other["top1_cases"]) / size, 2)
+        assert 0 <= rows[name]["p_beats_first"] <= 1
+    for key in ("wins", "losses"):
+        assert rows["pooled"][key] == sum(rows[n][key] for n in names)
+    assert rows["pooled"]["pairs"] == 70
+    pooled_first = (40 * first[names[0]]["hits@1"] + 30 * first[names[1]]["hits@1"]) / 70
+    assert abs(rows["pooled"]["first's hits@1"] - pooled_first) < 0.01
 
 
 def test_quantisation_compares_each_int8_variant_with_fp32(tmp_path, tiny_core):

@@ -1,0 +1,141 @@
+"""Does a bundle answer better than another as served? The test a candidate passes before it ships.
+
+Each ``--bundles`` entry answers every context of the ``--measure`` spans through its
+:class:`~coreply.responder.Responder`: the path ``POST /respond`` takes for a request that names no
+fusion (echo filter, restatement guard, response prior, lexical stage, the rerank gate and reach, the
+bundle's calibrated fusion), one context at a time. A top answer is a hit where it is the test reply.
+Every bundle after the first is compared with the first pair for pair: hits@1, the contexts it wins and
+loses, and the one-sided paired bootstrap p that it is not better, on each span and pooled over all of
+them (a gain too small to show on one span may show on all: docs/results.md §48).
+
+This is what a lease's reranker has to pass: built into a candidate bundle beside the shipped first
+stage, it must beat the shipped default as served, on the pairs no choice was made on (the defaults:
+test[0:2000] apart, as issue #12 states its targets there, the rest of the test split, valid[2000:]).
+``bench/rerank_ensemble.py`` (the rerankers' sums, ungated) and ``bench/rerank_gate.py`` (a bundle
+against its own first stage, every gate) say why; this says whether. About 90-105 ms a context and bundle
+on a 2-vCPU AMD Zen 3 host: 17-20 minutes a bundle over the 11,445 default pairs.
+
+    python bench/as_served.py --bundles artifacts/default-bundle artifacts/cand-core-warm \\
+        --out docs/lease-DATE/as-served.json
+    python bench/as_served.py --bundles artifacts/default-bundle artifacts/cand-core-warm \\
+        --exclude-conversation --out docs/lease-DATE/as-served-apart.json   # a pool without the conversation
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench import (  # bench/bench.py: this script's directory is on sys.path
+    disjoint_spans,
+    provenance,
+    refuse_below,
+    responder,
+    span_name,
+)
+from coreply.artifacts import write_json_atomic
+from coreply.corpus import load_chitchat
+from coreply.responder import Responder
+from coreply.text import normalize
+from evaluation.metrics import paired_bootstrap
+from evaluation.protocols import conversation_others
+
+N_R = 10  # candidates recalled, as the service's default (COREPLY_DEFAULT_CANDIDATES)
+
+
+def top1(
+    bot: Responder, pairs: list, exclude: list[tuple[str, ...]] | None
+) -> tuple[list[int | None], np.ndarray]:
+    """The bundle's top answer to each pair's context as served (a pool id, or None where nothing is
+    left), and [N] 1.0 where it is the pair's test reply; ``exclude``: per pair, texts its request may
+    not answer."""
+    texts = exclude if exclude is not None else [()] * len(pairs)
+    ids: list[int | None] = []
+    for pair, other in zip(pairs, texts, strict=True):
+        replies = bot.respond(list(pair.context), n_candidates=N_R, exclude_texts=other)
+        ids.append(replies[0].id if replies else None)
+    golds = [normalize(pair.response) for pair in pairs]
+    hit = [i is not None and bot.bundle.keys[i] == g for i, g in zip(ids, golds, strict=True)]
+    return ids, np.array(hit, dtype=float)
+
+
+def against(hit: np.ndarray, first: np.ndarray) -> dict:
+    """hits@1 of the per-pair ``hit`` [N], its wins and losses against ``first`` [N], and the one-sided
+    paired bootstrap p that it is not better."""
+    return {
+        "hits@1": round(100 * float(hit.mean()), 2),
+        "wins": int(((hit == 1) & (first == 0)).sum()),
+        "losses": int(((hit == 0) & (first == 1)).sum()),
+        "p_beats_first": round(paired_bootstrap(hit, first), 4),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bundles", nargs="+", required=True, help="the first is the one the others must beat")
+    p.add_argument(
+        "--measure",
+        nargs="+",
+        default=["test:0:2000", "test:2000:4823", "valid:2000:4622"],
+        help="split:start:limit, disjoint; with more than one, also pooled",
+    )
+    p.add_argument(
+        "--exclude-conversation",
+        action="store_true",
+        help="each context excludes the other lines of its conversation, as a pool would that does not "
+        "hold the conversation being served (docs/results.md §60)",
+    )
+    p.add_argument("--threads", type=int, default=2, help="each bundle's intra-op threads")
+    p.add_argument("--out", type=Path, default=None, help="JSON file to write")
+    args = p.parse_args()
+    measure = disjoint_spans("--measure", args.measure)
+    if len(set(args.bundles)) < len(args.bundles) or len(args.bundles) < 2:
+        raise SystemExit("--bundles: give two or more different ones, the first the one the others must beat")
+    refuse_below(args, threads=1)
+    bots = {path: responder(path, threads=args.threads) for path in args.bundles}  # all load before any runs
+
+    splits = load_chitchat()
+    hits: dict[str, dict[str, np.ndarray]] = {path: {} for path in bots}  # bundle -> span -> [N] 0/1
+    result: dict = provenance() | {"exclude_conversation": args.exclude_conversation, "n_r": N_R}
+    result["bundles"] = {
+        path: {"version": bot.bundle.version, "fusion": bot.default_fusion, "spans": {}}
+        for path, bot in bots.items()
+    }
+    for split, start, limit in measure:
+        name, pairs = span_name(split, start, limit), splits[split][start : start + limit]
+        exclude = conversation_others(pairs, splits[split]) if args.exclude_conversation else None
+        for path, bot in bots.items():
+            began = time.perf_counter()
+            answers, hit = top1(bot, pairs, exclude)
+            hits[path][name], seconds = hit, time.perf_counter() - began
+            result["bundles"][path]["spans"][name] = {
+                "hits@1": round(100 * float(hit.mean()), 2),
+                "ms_per_context": round(1000 * seconds / len(pairs), 1),
+                "top1_cases": np.flatnonzero(hit).tolist(),  # to pair with other runs on the same span
+                "answers": answers,  # each context's top answer, a row of the bundle's pool (null: none)
+            }
+            print(f"{name} {path}: hits@1 {100 * hit.mean():.2f} ({seconds:.0f} s)", flush=True)
+
+    names = [span_name(*m) for m in measure]
+    first, *others = bots
+    result["against_first"] = {}
+    for path in others:
+        rows = {name: against(hits[path][name], hits[first][name]) for name in names}
+        if len(names) > 1:
+            mine, theirs = (np.concatenate([hits[b][n] for n in names]) for b in (path, first))
+            rows["pooled"] = against(mine, theirs) | {
+                "first's hits@1": round(100 * float(theirs.mean()), 2),
+                "pairs": len(mine),
+            }
+        result["against_first"][path] = rows
+        for name, row in rows.items():
+            print(f"{path} against {first}, {name}: {row}", flush=True)
+    if args.out:
+        write_json_atomic(args.out, result)
+
+
+if __name__ == "__main__":
+    main()
