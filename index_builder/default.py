@@ -162,27 +162,35 @@ def pinned_rho(texts: Sequence[str]) -> np.ndarray | None:
     return None
 
 
-def build_default_bundle(out: str | Path, progress: bool = True, calibrate: bool = False) -> dict[str, Any]:
+def build_default_bundle(
+    out: str | Path, progress: bool = True, calibrate: bool = False, cross: str | Path | None = None
+) -> dict[str, Any]:
     """The default bundle at ``out``, with its :data:`PINNED` choices unless ``calibrate`` (or other
-    weights are shipped): then chosen on the validation split, as the reference build chose them."""
+    weights are shipped): then chosen on the validation split, as the reference build chose them.
+
+    ``cross``: a candidate reranker in the shipped one's place (a lease's, judged against the default by
+    ``bench/as_served.py``). The first stage keeps its pinned choices, so the two bundles differ in the
+    reranker alone; its fusion, gate and reach are chosen for it on the pairs the default's were."""
     from coreply.corpus import load_chitchat, responses_of
     from index_builder.build import build_bundle
 
     splits = load_chitchat()
-    cross = shipped_cross()
+    reranker = Path(cross) if cross is not None else shipped_cross()
     texts = responses_of(splits)
     pinned = None if calibrate else pinned_choices()
+    if pinned and cross is not None:
+        pinned = {name: entry for name, entry in pinned.items() if name != "fusion"}
     return build_bundle(
         out,
         texts,
         bi=str(DEFAULT_BI),
-        cross=str(cross) if cross else None,
-        calibration=splits["valid"][:CALIBRATION_PAIRS] if cross else (),
+        cross=str(reranker) if reranker else None,
+        calibration=splits["valid"][:CALIBRATION_PAIRS] if reranker else (),
         onnx="int8",
         queries=[p.context for p in splits["valid"][:RECALL_QUERIES]],
         pool_source="chitchat-dataset 0.9.0, all splits",
         progress=progress,
-        command=RECIPE,
+        command=RECIPE if cross is None else f"{RECIPE}, a candidate reranker in its place: {cross}",
         guard_pairs=splits["valid"],
         guard_quantile=GUARD_QUANTILE,
         prior_pairs=splits["train"],

@@ -95,6 +95,9 @@ def test_the_shipped_reranker_joins_the_default_with_calibrated_fusion(tmp_path,
     monkeypatch.setattr(default, "DEFAULT_CROSS", tmp_path / "left-out")
     default.build_default_bundle(tmp_path / "b")
     assert calls[1]["cross"] is None and calls[1]["calibration"] == ()  # a checkout without it: retrieval
+    default.build_default_bundle(tmp_path / "b", cross=tmp_path / "lease-cross")  # a candidate in its place
+    assert calls[2]["cross"] == str(tmp_path / "lease-cross") and calls[2]["calibration"] == kw["calibration"]
+    assert calls[2]["command"].startswith(default.RECIPE) and calls[2]["command"] != default.RECIPE
 
 
 @pytest.mark.pretrained
@@ -142,9 +145,12 @@ def test_the_default_is_built_with_the_choices_pinned_for_the_shipped_weights(tm
     monkeypatch.setattr(build, "build_bundle", build_bundle)
     default.build_default_bundle(tmp_path / "b")
     default.build_default_bundle(tmp_path / "b", calibrate=True)
+    # a candidate reranker: the first stage's pins held, the fusion chosen for it
+    default.build_default_bundle(tmp_path / "b", cross=tmp_path / "lease-cross")
+    first_stage = {name: entry for name, entry in pins.items() if name != "fusion"}
     monkeypatch.setattr(default, "PINNED_FOR", {"bi": "other weights", "cross": None})
     default.build_default_bundle(tmp_path / "b")
-    assert calls == [(pins, True), (None, False), (None, False)]
+    assert calls == [(pins, True), (None, False), (first_stage, True), (None, False)]
 
 
 def test_the_default_prior_is_shipped_for_the_corpus_it_was_measured_on(monkeypatch, capsys):
