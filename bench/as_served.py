@@ -35,6 +35,7 @@ from bench import (  # bench/bench.py: this script's directory is on sys.path
     refuse_below,
     responder,
     span_name,
+    span_pairs,
 )
 from coreply.artifacts import write_json_atomic
 from coreply.corpus import load_chitchat
@@ -98,14 +99,15 @@ def main() -> None:
     bots = {path: responder(path, threads=args.threads) for path in args.bundles}  # all load before any runs
 
     splits = load_chitchat()
+    chosen = [span_pairs("--measure", splits, m) for m in measure]  # each span checked before any runs
     hits: dict[str, dict[str, np.ndarray]] = {path: {} for path in bots}  # bundle -> span -> [N] 0/1
     result: dict = provenance() | {"exclude_conversation": args.exclude_conversation, "n_r": N_R}
     result["bundles"] = {
         path: {"version": bot.bundle.version, "fusion": bot.default_fusion, "spans": {}}
         for path, bot in bots.items()
     }
-    for split, start, limit in measure:
-        name, pairs = span_name(split, start, limit), splits[split][start : start + limit]
+    for (split, start, limit), pairs in zip(measure, chosen, strict=True):
+        name = span_name(split, start, limit)
         exclude = conversation_others(pairs, splits[split]) if args.exclude_conversation else None
         for path, bot in bots.items():
             began = time.perf_counter()

@@ -106,6 +106,16 @@ def disjoint_spans(flag: str, texts: list[str], taken: tuple[Span, ...] = (), na
     return spans
 
 
+def span_pairs(flag: str, splits: dict[str, list], given: Span) -> list:
+    """The pairs of the span ``given`` (by ``flag``); a one-line exit where it runs past its split."""
+    split, start, limit = given
+    if start + limit > len(splits[split]):
+        raise SystemExit(
+            f"{flag}: {split}:{start}:{limit} runs past the {split} split's {len(splits[split])} pairs"
+        )
+    return splits[split][start : start + limit]
+
+
 def span_name(split: str, start: int, limit: int) -> str:
     """How results name a span: ``test[0:2000]``."""
     return f"{split}[{start}:{start + limit}]"

@@ -40,6 +40,7 @@ from bench import (  # bench/bench.py: this script's directory is on sys.path
     responder,
     span,
     span_name,
+    span_pairs,
 )
 from coreply.artifacts import write_json_atomic
 from coreply.bundle import BACKENDS
@@ -134,13 +135,13 @@ def main() -> None:
 
     splits = load_chitchat()
     spans = [args.calibrate, *args.measure]
+    chosen = [span_pairs("--calibrate" if s is args.calibrate else "--measure", splits, s) for s in spans]
     got, golds = {}, {}
-    for split, start, limit in spans:
-        name = span_name(split, start, limit)
-        pairs = splits[split][start : start + limit]
+    for given, pairs in zip(spans, chosen, strict=True):
+        name = span_name(*given)
         golds[name] = [normalize(p.response) for p in pairs]
-        apart = args.exclude_conversation and (split, start, limit) != args.calibrate
-        exclude = conversation_others(pairs, splits[split]) if apart else None
+        apart = args.exclude_conversation and given != args.calibrate
+        exclude = conversation_others(pairs, splits[given[0]]) if apart else None
         got[name] = retrieve_and_rerank(pairs, ranking, max(args.n_r), max(args.n_r), exclude)
         print(f"{name}: {len(pairs)} contexts recalled and reranked", flush=True)
     calibration = span_name(*args.calibrate)

@@ -157,6 +157,16 @@ def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):
         ("as_served.py", ["--bundles", "a", "b", "--measure", "test:0:8", "test:7:2"], "--measure: test:7"),
         ("as_served.py", ["--bundles", "a", "b", "--threads", "0"], "--threads: "),
         (
+            "as_served.py",
+            ["--bundles", str(tiny_bundle), str(retrieval_only), "--measure", "test:6800:100"],
+            "--measure: test:6800:100 runs past the test split's 6823 pairs",
+        ),
+        (
+            "rerank_gate.py",
+            ["--bundle", str(tiny_bundle), "--calibrate", "valid:6600:50", "--measure", "test:0:5"],
+            "--calibrate: valid:6600:50 runs past",
+        ),
+        (
             "rerank_ensemble.py",
             ["--bundle", str(tiny_bundle), "--cross", str(tmp_path)],
             f"--cross {tmp_path}: ",
