@@ -31,6 +31,7 @@ import numpy as np
 
 from bench import (  # bench/bench.py: this script's directory is on sys.path
     disjoint_spans,
+    paired_hits,
     provenance,
     refuse_below,
     responder,
@@ -41,7 +42,6 @@ from coreply.artifacts import write_json_atomic
 from coreply.corpus import load_chitchat
 from coreply.responder import Responder
 from coreply.text import normalize
-from evaluation.metrics import paired_bootstrap
 from evaluation.protocols import conversation_others
 
 N_R = 10  # candidates recalled, as the service's default (COREPLY_DEFAULT_CANDIDATES)
@@ -61,17 +61,6 @@ def top1(
     golds = [normalize(pair.response) for pair in pairs]
     hit = [i is not None and bot.bundle.keys[i] == g for i, g in zip(ids, golds, strict=True)]
     return ids, np.array(hit, dtype=float)
-
-
-def against(hit: np.ndarray, first: np.ndarray) -> dict:
-    """hits@1 of the per-pair ``hit`` [N], its wins and losses against ``first`` [N], and the one-sided
-    paired bootstrap p that it is not better."""
-    return {
-        "hits@1": round(100 * float(hit.mean()), 2),
-        "wins": int(((hit == 1) & (first == 0)).sum()),
-        "losses": int(((hit == 0) & (first == 1)).sum()),
-        "p_beats_first": round(paired_bootstrap(hit, first), 4),
-    }
 
 
 def main() -> None:
@@ -125,10 +114,10 @@ def main() -> None:
     first, *others = bots
     result["against_first"] = {}
     for path in others:
-        rows = {name: against(hits[path][name], hits[first][name]) for name in names}
+        rows = {name: paired_hits(hits[path][name], hits[first][name], "p_beats_first") for name in names}
         if len(names) > 1:
             mine, theirs = (np.concatenate([hits[b][n] for n in names]) for b in (path, first))
-            rows["pooled"] = against(mine, theirs) | {
+            rows["pooled"] = paired_hits(mine, theirs, "p_beats_first") | {
                 "first's hits@1": round(100 * float(theirs.mean()), 2),
                 "pairs": len(mine),
             }

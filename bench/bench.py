@@ -78,6 +78,17 @@ def refuse_below(args: argparse.Namespace, **floors: float) -> None:
             raise SystemExit(f"--out: {e}") from None
 
 
+def paired_hits(hit: np.ndarray, base: np.ndarray, p_name: str) -> dict:
+    """hits@1 of the per-pair ``hit`` [N] (0/1), its wins and losses against ``base`` [N], and under
+    ``p_name`` the one-sided paired bootstrap p that it is not better."""
+    return {
+        "hits@1": round(100 * float(hit.mean()), 2),
+        "wins": int(((hit == 1) & (base == 0)).sum()),
+        "losses": int(((hit == 0) & (base == 1)).sum()),
+        p_name: round(paired_bootstrap(hit, base), 4),
+    }
+
+
 Span = tuple[str, int, int]  # split, start, limit
 
 

@@ -35,6 +35,7 @@ import numpy as np
 
 from bench import (  # bench/bench.py: this script's directory is on sys.path
     disjoint_spans,
+    paired_hits,
     provenance,
     refuse_below,
     responder,
@@ -57,17 +58,6 @@ from evaluation.protocols import (
     reranked_per_context,
     retrieve_and_rerank,
 )
-
-
-def against_first(hit: np.ndarray, first: np.ndarray) -> dict:
-    """hits@1 of the per-pair ``hit`` [N], its wins and losses against the first stage's ``first`` [N],
-    and the one-sided paired bootstrap p that it beats it."""
-    return {
-        "hits@1": round(100 * float(hit.mean()), 2),
-        "wins": int(((hit == 1) & (first == 0)).sum()),
-        "losses": int(((hit == 0) & (first == 1)).sum()),
-        "p_beats_first_stage": round(paired_bootstrap(hit, first), 4),
-    }
 
 
 def top1(
@@ -186,7 +176,7 @@ def main() -> None:
                     "changed_%": round(
                         100 * float(np.mean([a != b for a, b in zip(gated_answers, answers, strict=True)])), 2
                     ),
-                    **against_first(hit, first),
+                    **paired_hits(hit, first, "p_beats_first_stage"),
                     "p_always_better": round(paired_bootstrap(full, hit), 4),
                 }
             out["spans"][name] = rows
@@ -206,7 +196,9 @@ def main() -> None:
                 "pairs": len(first),
                 "first stage": round(100 * float(first.mean()), 2),
             }
-            out["pooled"] |= {label: against_first(hit, first) for label, hit in pooled.items()}
+            out["pooled"] |= {
+                label: paired_hits(hit, first, "p_beats_first_stage") for label, hit in pooled.items()
+            }
             print(
                 f"n_r {n_r} pooled", {k: v["hits@1"] for k, v in out["pooled"].items() if isinstance(v, dict)}
             )
