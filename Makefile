@@ -6,17 +6,21 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install serve test test-full lint containers soak results-cpu results-gpu clean
+.PHONY: install lock serve test test-full lint containers soak results-cpu results-gpu clean
 
 # The pinned CPU torch goes in first: an unpinned torch would pull several GB of CUDA packages.
-$(STAMP): pyproject.toml
+# The rest at the versions in constraints.txt, those CI tested (`make lock` re-resolves them).
+$(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
 install: $(STAMP)
+
+lock:
+	PY=$(PY) bash scripts/lock.sh
 
 serve: install
 	$(BIN)/coreply serve
