@@ -11,6 +11,8 @@ them (a gain too small to show on one span may show on all: docs/results.md §48
 This is what a lease's reranker has to pass: built into a candidate bundle beside the shipped first
 stage, it must beat the shipped default as served, on the pairs no choice was made on (the defaults:
 test[0:2000] apart, as issue #12 states its targets there, the rest of the test split, valid[2000:]).
+A lease's retriever too (``build_default_bundle(out, bi=...)``), on the test spans alone: its guard and
+prior are chosen on the whole validation split.
 ``bench/rerank_ensemble.py`` (the rerankers' sums, ungated) and ``bench/rerank_gate.py`` (a bundle
 against its own first stage, every gate) say why; this says whether. About 90-105 ms a context and bundle
 on a 2-vCPU AMD Zen 3 host: 17-20 minutes a bundle over the 11,445 default pairs.

@@ -163,34 +163,44 @@ def pinned_rho(texts: Sequence[str]) -> np.ndarray | None:
 
 
 def build_default_bundle(
-    out: str | Path, progress: bool = True, calibrate: bool = False, cross: str | Path | None = None
+    out: str | Path,
+    progress: bool = True,
+    calibrate: bool = False,
+    cross: str | Path | None = None,
+    bi: str | Path | None = None,
 ) -> dict[str, Any]:
     """The default bundle at ``out``, with its :data:`PINNED` choices unless ``calibrate`` (or other
     weights are shipped): then chosen on the validation split, as the reference build chose them.
 
-    ``cross``: a candidate reranker in the shipped one's place (a lease's, judged against the default by
-    ``bench/as_served.py``). The first stage keeps its pinned choices, so the two bundles differ in the
-    reranker alone; its fusion, gate and reach are chosen for it on the pairs the default's were."""
+    A lease's models in the shipped ones' places, to be judged against the default by
+    ``bench/as_served.py``: ``cross``, a candidate reranker: the first stage keeps its pinned choices, so
+    the two bundles differ in the reranker alone, and its fusion, gate and reach are chosen for it on the
+    pairs the default's were. ``bi``, a candidate retriever: every choice and the prior are measured for
+    it, as the reference build measured them for the shipped one (with ``cross`` too, or the shipped
+    reranker)."""
     from coreply.corpus import load_chitchat, responses_of
     from index_builder.build import build_bundle
 
     splits = load_chitchat()
     reranker = Path(cross) if cross is not None else shipped_cross()
     texts = responses_of(splits)
-    pinned = None if calibrate else pinned_choices()
+    pinned = None if calibrate or bi is not None else pinned_choices()
     if pinned and cross is not None:
         pinned = {name: entry for name, entry in pinned.items() if name != "fusion"}
+    candidates = ", ".join(
+        f"a candidate {k} in its place: {v}" for k, v in (("retriever", bi), ("reranker", cross)) if v
+    )
     return build_bundle(
         out,
         texts,
-        bi=str(DEFAULT_BI),
+        bi=str(bi if bi is not None else DEFAULT_BI),
         cross=str(reranker) if reranker else None,
         calibration=splits["valid"][:CALIBRATION_PAIRS] if reranker else (),
         onnx="int8",
         queries=[p.context for p in splits["valid"][:RECALL_QUERIES]],
         pool_source="chitchat-dataset 0.9.0, all splits",
         progress=progress,
-        command=RECIPE if cross is None else f"{RECIPE}, a candidate reranker in its place: {cross}",
+        command=f"{RECIPE}, {candidates}" if candidates else RECIPE,
         guard_pairs=splits["valid"],
         guard_quantile=GUARD_QUANTILE,
         prior_pairs=splits["train"],

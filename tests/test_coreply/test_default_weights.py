@@ -98,6 +98,9 @@ def test_the_shipped_reranker_joins_the_default_with_calibrated_fusion(tmp_path,
     default.build_default_bundle(tmp_path / "b", cross=tmp_path / "lease-cross")  # a candidate in its place
     assert calls[2]["cross"] == str(tmp_path / "lease-cross") and calls[2]["calibration"] == kw["calibration"]
     assert calls[2]["command"].startswith(default.RECIPE) and calls[2]["command"] != default.RECIPE
+    default.build_default_bundle(tmp_path / "b", bi=tmp_path / "lease-bi")  # behind the shipped reranker
+    assert calls[3]["bi"] == str(tmp_path / "lease-bi") and calls[3]["cross"] is None  # (left out above)
+    assert "lease-bi" in calls[3]["command"] and "candidate reranker" not in calls[3]["command"]
 
 
 @pytest.mark.pretrained
@@ -148,9 +151,12 @@ def test_the_default_is_built_with_the_choices_pinned_for_the_shipped_weights(tm
     # a candidate reranker: the first stage's pins held, the fusion chosen for it
     default.build_default_bundle(tmp_path / "b", cross=tmp_path / "lease-cross")
     first_stage = {name: entry for name, entry in pins.items() if name != "fusion"}
+    # a candidate retriever, alone or with a candidate reranker: every choice and the prior measured for it
+    default.build_default_bundle(tmp_path / "b", bi=tmp_path / "lease-bi")
+    default.build_default_bundle(tmp_path / "b", bi=tmp_path / "lease-bi", cross=tmp_path / "lease-cross")
     monkeypatch.setattr(default, "PINNED_FOR", {"bi": "other weights", "cross": None})
     default.build_default_bundle(tmp_path / "b")
-    assert calls == [(pins, True), (None, False), (first_stage, True), (None, False)]
+    assert calls == [(pins, True), (None, False), (first_stage, True)] + [(None, False)] * 3
 
 
 def test_the_default_prior_is_shipped_for_the_corpus_it_was_measured_on(monkeypatch, capsys):
