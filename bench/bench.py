@@ -13,6 +13,9 @@ The two alternate in blocks within one invocation so that machine noise hits bot
 Quality beside the timings: each side's hits@1 on the same requests (its top answer the test reply), a
 one-sided paired bootstrap p that coreply's is not higher, and the fraction of requests whose top-1 is
 the same for both (coreply runs int8 ONNX and its own stages, the peer fp32 PyTorch and none).
+
+The requests are chitchat test contexts, whose every turn the pool holds; ``--typed-user-turns`` sends
+the user's turns as text it does not hold, as a deployed service receives them (performance.md §39).
 """
 
 from __future__ import annotations
@@ -254,6 +257,16 @@ class Server:
         self.process.wait(timeout=60)
 
 
+def typed_user_turns(context: list[str]) -> list[str]:
+    """``context`` as a deployed service receives it: the user's turns (the last, and every second one
+    before it) are text its pool does not hold verbatim. chitchat's pool holds every test line, so the
+    restatement guard reads those turns' vectors from the index (performance.md §23), which a user's own
+    words never allow. A trailing space rules that out and nothing else: the tokenizers drop it, so the
+    model inputs, the scores and the answers are the same (performance.md §39)."""
+    last = len(context) - 1
+    return [turn + " " if (last - i) % 2 == 0 else turn for i, turn in enumerate(context)]
+
+
 def respond_body(context: list[str], n_r: int, fusion: str) -> dict:
     """A POST /respond body; fusion "default" names none, as a client that takes the bundle's own
     (gated) answers does."""
@@ -411,6 +424,12 @@ def main() -> None:
         help="each client's pause after an answer, as a user reads and types (the peer's too); "
         "requests/s then counts the pauses",
     )
+    p.add_argument(
+        "--typed-user-turns",
+        action="store_true",
+        help="send the user's turns as text the pool does not hold verbatim, as a deployed service sees "
+        "them (the same answers; see typed_user_turns), the peer's too",
+    )
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     refuse_below(args, requests=1, threads=0)
@@ -425,6 +444,8 @@ def main() -> None:
 
     pairs = load_chitchat()["test"][: args.requests]
     contexts = [list(pair.context) for pair in pairs]
+    if args.typed_user_turns:
+        contexts = [typed_user_turns(context) for context in contexts]
     golds = [normalize(pair.response) for pair in pairs]
     warm = contexts[:5]
     from coreply.bundle import BundleError, read_manifest, read_responses
@@ -484,8 +505,8 @@ def main() -> None:
         for side in ("coreply", "peer"):
             row.get(side, {}).pop("top1", None)
     result = {**provenance(), "bundle": ready, "peer_cross": args.peer_cross, "think_ms": args.think_ms,
-              "peer_pool": args.peer_pool, "peer_pool_encode_s": peer.pool_encode_s if peer else None,
-              "rows": rows}  # fmt: skip
+              "typed_user_turns": args.typed_user_turns, "peer_pool": args.peer_pool,
+              "peer_pool_encode_s": peer.pool_encode_s if peer else None, "rows": rows}  # fmt: skip
     write_json_atomic(args.out, result, sort_keys=False)
     print(f"wrote {args.out}")
 

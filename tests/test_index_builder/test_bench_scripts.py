@@ -95,9 +95,11 @@ def test_load_sends_a_fixed_rate_and_takes_the_bundles_own_fusion(tmp_path, tiny
 def test_bench_times_the_server_beside_the_peer_on_the_bundles_trained_weights(tmp_path, tiny_bundle):
     out = tmp_path / "bench.json"
     bench("bench.py", "--bundle", str(tiny_bundle), "--n-r", "3", "--concurrency", "1", "--requests", "4",
-          "--threads", "1", "--fusion", "default", "--peer-pool", "own", "--out", str(out))  # fmt: skip
+          "--threads", "1", "--fusion", "default", "--peer-pool", "own", "--typed-user-turns",
+          "--out", str(out))  # fmt: skip
     result = json.loads(out.read_text())
     assert result["peer_pool"] == "own" and result["peer_pool_encode_s"] is not None  # its own index
+    assert result["typed_user_turns"] is True
     (row,) = result["rows"]
     assert row["coreply"]["latency_ms"]["p50"] > 0 and row["peer"]["latency_ms"]["p50"] > 0
     assert set(row["peer"]["stages_ms"]) == {"encode", "search", "rerank"}
@@ -699,3 +701,29 @@ def test_restatement_guard_answers_as_the_service_does(guarded_bundle, toy_pairs
             assert top == [replies[0].text for replies in served]
             assert ranked == [[bot.pipeline.keys[r.id] for r in replies] for replies in served]
     assert module.setting(False, "zscore") == "guard on, reranked (zscore)"
+
+
+def test_typed_user_turns_miss_the_pool_and_are_answered_alike(monkeypatch, guarded_bundle):
+    """bench.py --typed-user-turns: the user's turns (the last, every second one before it) miss the pool's
+    stored vectors, as a user's own words do, so the guard encodes them; the answers stay the same."""
+    from coreply.responder import Responder
+
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # as when run: its helpers in bench/bench.py
+    monkeypatch.delitem(sys.modules, "bench", raising=False)
+    from bench import typed_user_turns
+
+    bot = Responder.load(guarded_bundle)
+    encoded: list[str] = []
+    encode = bot.backend.encode_responses
+    monkeypatch.setattr(bot.backend, "encode_responses", lambda texts: encoded.extend(texts) or encode(texts))
+    pool = bot.bundle.texts
+    for start in range(0, 12, 3):
+        held = list(pool[start : start + 4])  # a conversation whose every turn the pool holds
+        typed = typed_user_turns(held)
+        assert typed == [held[0], held[1] + " ", held[2], held[3] + " "]
+        encoded.clear()
+        before = bot.respond(held, 10)
+        assert encoded == []  # every turn's vector read from the index
+        after = bot.respond(typed, 10)
+        assert set(encoded) >= {typed[-1]} and not set(encoded) & set(held)  # the user's, and only theirs
+        assert [(r.id, r.score) for r in after] == [(r.id, r.score) for r in before]
