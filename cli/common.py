@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from coreply.artifacts import check_out_file
-from coreply.config import ModelConfig
+from coreply.config import BUILTIN, BUILTIN_WEIGHTS, ModelConfig
 from coreply.restatement import check_quantile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -44,6 +44,17 @@ class Parser(argparse.ArgumentParser):
                 parser = subs[0].choices[getattr(parsed, subs[0].dest)]
             parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         return parsed
+
+
+def checkpoint(kind: str):
+    """An argparse type: a checkpoint directory as given, or ``builtin``: the default bundle's trained model
+    of this kind, shipped with the package (where it is installed is nothing a user should need to know)."""
+
+    def parse(text: str) -> str:
+        return str(BUILTIN_WEIGHTS[kind]) if text == BUILTIN else text
+
+    parse.__name__ = "checkpoint"
+    return parse
 
 
 def at_least(low: int):

@@ -12,6 +12,7 @@ from cli.common import (
     DEFAULTS_SHOWN,
     CliError,
     at_least,
+    checkpoint,
     guard_quantile,
     load_data,
     not_an_input,
@@ -26,8 +27,15 @@ from coreply.restatement import DEFAULT_QUANTILE
 
 def eval_parser(sub) -> None:
     p = sub.add_parser("eval", help="evaluate on protocol A (1-of-N) and B (full pool)", **DEFAULTS_SHOWN)
-    p.add_argument("--bi", default=None, help="bi-encoder checkpoint dir, or 'zero-shot'")
-    p.add_argument("--cross", default=None, help="cross-encoder checkpoint dir")
+    p.add_argument(
+        "--bi",
+        type=checkpoint("bi"),
+        default=None,
+        help="bi-encoder checkpoint dir, 'builtin' or 'zero-shot'",
+    )
+    p.add_argument(
+        "--cross", type=checkpoint("cross"), default=None, help="cross-encoder checkpoint dir or 'builtin'"
+    )
     p.add_argument(
         "--name",
         default=None,
@@ -78,8 +86,10 @@ def eval_parser(sub) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument(
         "--judge",
+        type=checkpoint("bi"),
         default=ZERO_SHOT,
-        help="bi-encoder that judges restatements of the last turn ('zero-shot', a checkpoint, or 'none')",
+        help="bi-encoder that judges restatements of the last turn ('zero-shot', 'builtin', a checkpoint, or "
+        "'none')",
     )
     p.add_argument(
         "--restatement-quantile",

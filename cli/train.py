@@ -16,6 +16,7 @@ from cli.common import (
     CliError,
     add_model_args,
     at_least,
+    checkpoint,
     load_data,
     model_config,
     out_file,
@@ -65,6 +66,11 @@ def train_parser(sub) -> None:
             kind = {int: int, float: float}.get(type(default), str)
             none_default = {"max_steps": int, "max_minutes": float, "cross_lora_rank": int, "cross_lr": float}
             kind = none_default.get(f.name, kind)
+            kind = {
+                "init_bi": checkpoint("bi"),
+                "init_cross": checkpoint("cross"),
+                "teacher": checkpoint("cross"),
+            }.get(f.name, kind)
             p.add_argument(flag, type=kind, default=default, help=help_)
 
 

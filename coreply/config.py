@@ -4,6 +4,7 @@ builder and the service all read from a checkpoint."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 from typing import Any, Literal
 
 Pooling = Literal["cls", "mean"]
@@ -11,6 +12,14 @@ CrossHead = Literal["mlp", "match"]
 
 ZERO_SHOT = "zero-shot"
 """Model spec meaning all-MiniLM-L6-v2 as published (shared towers, mean pooling, cosine), untrained here."""
+BUILTIN = "builtin"
+"""Model spec meaning the built-in default bundle's trained model of that kind (:data:`BUILTIN_WEIGHTS`)."""
+BUILTIN_WEIGHTS = {
+    "bi": Path(__file__).parent / "weights" / "default-bi",
+    "cross": Path(__file__).parent / "weights" / "default-cross",
+}
+"""The checkpoints shipped with the package (adapters over all-MiniLM-L6-v2, trained on chitchat by CORE):
+the default bundle's retriever and reranker (coreply/weights/README.md)."""
 
 
 @dataclass(frozen=True)

@@ -55,12 +55,13 @@ import numpy as np
 import coreply
 from coreply import lexical
 from coreply.artifacts import sha256_file
+from coreply.config import BUILTIN_WEIGHTS
 
 RECALL_QUERIES = 500
 RECIPE = "default bundle, recipe 15 (recipe 14 with its calibrated choices pinned)"
 """Recorded as the bundle's build command; a default bundle built by another recipe is rebuilt."""
-DEFAULT_BI = Path(coreply.__file__).parent / "weights" / "default-bi"
-DEFAULT_CROSS = Path(coreply.__file__).parent / "weights" / "default-cross"
+DEFAULT_BI = BUILTIN_WEIGHTS["bi"]
+DEFAULT_CROSS = BUILTIN_WEIGHTS["cross"]
 CALIBRATION_PAIRS = lexical.PAIRS
 """The reranker's fusion and gate are chosen on the validation pairs the lexical stage's weight is chosen on,
 leaving the rest (2,000-6,621) to measure the bundle on."""

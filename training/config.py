@@ -52,17 +52,19 @@ RESUMABLE = frozenset(
 HELP = {
     "models": "which models `independent` trains; for `distill`, 'cross' makes the student a (smaller) "
     "cross-encoder, anything else the bi-encoder",
-    "teacher": "trained cross-encoder checkpoint that teaches in `distill`",
-    "init_bi": "start the retriever from this checkpoint instead of the base model (with --lora-rank: an "
-    "adapter checkpoint of that rank, whose adapters train on); in a run that trains only the reranker, "
-    "the frozen retriever that mines its hard and paraphrase negatives",
+    "teacher": "trained cross-encoder checkpoint that teaches in `distill` ('builtin': the default bundle's)",
+    "init_bi": "start the retriever from this checkpoint ('builtin': the default bundle's, rank-8 adapters) "
+    "instead of the base model (with --lora-rank: an adapter checkpoint of that rank, whose adapters train "
+    "on); in a run that trains only the reranker, the frozen retriever that mines its hard and paraphrase "
+    "negatives",
     "cross_residual": "train the reranker as a correction to the frozen --init-bi retriever (with --mode "
     "independent --models cross): a list's scores are the retriever's plus the reranker's, so it learns what "
     "the retriever gets wrong instead of relearning what it knows; its new head starts at zero, i.e. as the "
     "retriever. Serve it with sum fusion behind that retriever (the checkpoint names it by hash)",
-    "init_cross": "start the reranker from this checkpoint instead of the base model (with --lora-rank: an "
-    "adapter checkpoint of that rank, whose adapters train on; with a --num-layers below its depth: a "
-    "student of its first layers and its head, reading pairs at this run's --max-context/response-tokens)",
+    "init_cross": "start the reranker from this checkpoint ('builtin': the default bundle's, rank-32 "
+    "adapters) instead of the base model (with --lora-rank: an adapter checkpoint of that rank, whose "
+    "adapters train on; with a --num-layers below its depth: a student of its first layers and its head, "
+    "reading pairs at this run's --max-context/response-tokens)",
     "lora_rank": "> 0: train low-rank adapters (+ biases, norms, heads) instead of every weight; checkpoints "
     "then hold only those (a few MB) and name the base model by hash",
     "cross_lora_rank": "the reranker's --lora-rank, when it differs (e.g. 0: every weight of the reranker "

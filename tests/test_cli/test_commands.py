@@ -81,6 +81,33 @@ def data_file(tmp_path_factory, toy_pairs):
     return path
 
 
+def test_builtin_names_the_shipped_models_wherever_a_trained_one_is_taken(tmp_path):
+    """``builtin`` is the default bundle's retriever or reranker (the flag says which) for every flag that
+    takes a trained checkpoint, so a team can serve, evaluate or fine-tune them without finding where pip
+    put them; any other value passes through as a path."""
+    from cli.main import build_parser
+    from coreply.checkpoint_meta import read_meta
+    from coreply.config import BUILTIN_WEIGHTS, ZERO_SHOT
+
+    bi, cross = str(BUILTIN_WEIGHTS["bi"]), str(BUILTIN_WEIGHTS["cross"])
+    parse = build_parser().parse_args
+    out = ["-o", str(tmp_path / "b")]
+    built = parse(["index", "build", *out, "--bi", "builtin", "--cross", "builtin"])
+    assert (built.bi, built.cross) == (bi, cross)
+    assert parse(["index", "build", *out]).bi == ZERO_SHOT
+    assert parse(["index", "build", *out, "--bi", "runs/x/bi"]).bi == "runs/x/bi"
+    evaluated = parse(
+        ["eval", "--bi", "builtin", "--cross", "builtin", "--judge", "builtin", "--out", "e.json"]
+    )
+    assert (evaluated.bi, evaluated.cross, evaluated.judge) == (bi, cross, bi)
+    assert parse(["eval", "--bi", "zero-shot", "--out", "e.json"]).judge == ZERO_SHOT
+    trained = parse(
+        ["train", *out, "--init-bi", "builtin", "--init-cross", "builtin", "--teacher", "builtin"]
+    )
+    assert (trained.init_bi, trained.init_cross, trained.teacher) == (bi, cross, cross)
+    assert [read_meta(path, verify=False)["kind"] for path in (bi, cross)] == ["bi", "cross"]
+
+
 def test_train_eval_report_end_to_end(tmp_path, tiny_model_dir, data_file):
     run = tmp_path / "run"
     trained = coreply(
