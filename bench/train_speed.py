@@ -212,7 +212,7 @@ def packed_check(model: ModelConfig, pairs, device: torch.device, n: int = 256) 
 
 
 def config_for(base: TrainConfig, mode: str, variant: str, teacher: str) -> TrainConfig:
-    cfg = replace(base, mode=mode, teacher=teacher if mode == "distill" else None)
+    cfg = replace(base, mode=mode, teacher=teacher if mode == "distill" else None, packed=False)
     if variant == "no-prefetch":
         cfg = replace(cfg, prefetch=False)
     elif variant in ("compile", "packed", "packed-compile"):

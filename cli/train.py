@@ -57,8 +57,8 @@ def train_parser(sub) -> None:
         flag = "--" + f.name.replace("_", "-")
         default = f.default
         help_ = HELP[f.name]
-        if isinstance(default, bool):
-            action = argparse.BooleanOptionalAction if default else "store_true"
+        if isinstance(default, bool) or f.name == "packed":  # packed: None, i.e. by device
+            action = argparse.BooleanOptionalAction if default is not False else "store_true"
             p.add_argument(flag, action=action, default=default, help=help_)
         elif f.name == "models":
             p.add_argument(flag, choices=["both", "bi", "cross"], default=default, help=help_)

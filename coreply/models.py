@@ -97,15 +97,16 @@ def backbone_hidden(backbone: PreTrainedModel, batch: Batch) -> torch.Tensor:
     """The backbone's last hidden states [N, L, H] (zeros at padding when packed). A batch with a
     :class:`~coreply.tokenization.Packing` runs only its T real tokens through the transformer layers,
     [T, H] throughout: no compute on padding. Attention then goes through ``varlen_attn`` (CUDA, bf16 or
-    fp16) or, elsewhere, padded attention over the same tokens; it drops no attention probabilities, so in
-    training it differs from the padded path by that dropout alone (evaluation: the same scores)."""
+    fp16), which drops no attention probabilities (in training the one difference from the padded path),
+    or, elsewhere, padded attention over the same tokens with the layer's own attention dropout: there
+    packed and padded are the same model in training too, not only in evaluation."""
     if batch.packing is None:
         return backbone(
             input_ids=batch.input_ids,
             attention_mask=batch.attention_mask,
             token_type_ids=batch.token_type_ids,
         ).last_hidden_state
-    if not (hasattr(backbone, "embeddings") and hasattr(backbone.encoder, "layer")):
+    if not packable(backbone):
         raise ValueError(f"packed input needs a BERT-style backbone, not {type(backbone).__name__}")
     n, length = batch.input_ids.shape
     index = batch.packing.index  # [T]
@@ -120,6 +121,11 @@ def backbone_hidden(backbone: PreTrainedModel, batch: Batch) -> torch.Tensor:
         x = layer.attention.output(_packed_attention(layer.attention.self, x, batch), x)
         x = layer.output(layer.intermediate(x), x)
     return x.new_zeros(n * length, x.shape[-1]).index_copy(0, index, x).view(n, length, -1)
+
+
+def packable(backbone: nn.Module) -> bool:
+    """Whether packed input can run through this backbone: BERT-style embeddings and layers."""
+    return hasattr(backbone, "embeddings") and hasattr(getattr(backbone, "encoder", None), "layer")
 
 
 def varlen_runs_on(device: torch.device) -> bool:
@@ -149,7 +155,10 @@ def _packed_attention(attention: nn.Module, x: torch.Tensor, batch: Batch) -> to
             return full.view(n, length, heads, width).transpose(1, 2)
 
         keys = batch.attention_mask.bool()[:, None, None, :]  # [N, 1, 1, L]
-        out = nn.functional.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=keys)
+        drop = attention.dropout.p if attention.training else 0.0  # BERT's attention-probability dropout
+        out = nn.functional.scaled_dot_product_attention(
+            padded(q), padded(k), padded(v), attn_mask=keys, dropout_p=drop
+        )
         out = out.transpose(1, 2).reshape(n * length, heads, width)[packing.index]  # [T, heads, width]
     return out.reshape(x.shape)
 
@@ -173,6 +182,10 @@ class _Encoder(nn.Module):
         """An inference batch on the model's device; packed (no compute on padding) when ``packs`` is set,
         which :class:`coreply.inference.TorchBackend` does on CUDA where ``varlen_attn`` exists."""
         return (batch.packed() if self.packs else batch).to(self.device)
+
+    def packable(self) -> bool:
+        """Whether packed input can run through every backbone of this model."""
+        return all(packable(m) for m in self.modules() if isinstance(m, PreTrainedModel))
 
     def backbone_config(self) -> dict[str, Any]:
         raise NotImplementedError

@@ -246,6 +246,16 @@ class Trainer:
             else None
         )
         self._frozen_recall: Retrieved | None = None  # the frozen retriever's over the validation pool
+        # Packed by default on a CPU, where it is the padded model at 1.7-2.1x the speed (docs/results.md
+        # §50, §64); CUDA packs when asked, as a lease does where it measured that it pays there.
+        models = [m for m in (self.bi, self.cross, self.teacher, self.frozen_bi) if m is not None]
+        self.packed = (
+            config.packed
+            if config.packed is not None
+            else self.device.type == "cpu"
+            and not config.max_batch_tokens
+            and all(m.packable() for m in models)
+        )
         self.mining_bi = self.bi if self.bi is not None else self.frozen_bi
         self.tokenize_seconds = self._warm_tokenizers(negative_pool)
         self.global_batch = config.batch_size * config.grad_accum * self.world
@@ -456,7 +466,7 @@ class Trainer:
             mb.cross = pair_chunks(self.cross.tokenizer, contexts, lists, budget)
         if self.teacher is not None:
             mb.teacher = pair_chunks(self.teacher.tokenizer, contexts, lists, budget)
-        if self.cfg.packed:
+        if self.packed:
             mb = mb.packed()
         return mb.pin_memory() if self.device.type == "cuda" else mb
 
@@ -892,6 +902,7 @@ class Trainer:
             "max_minutes": cfg.max_minutes,
             "elapsed_seconds": round(self._elapsed(), 1),
             "device": str(self.device),
+            "packed": self.packed,
             "world_size": self.world,
         }
         if self.rank == 0:

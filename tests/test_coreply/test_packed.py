@@ -45,7 +45,7 @@ def models_of(tiny_model_dir):
 @pytest.mark.parametrize("index", range(4))
 def test_packed_input_scores_and_trains_like_padded(tiny_model_dir, index):
     model = models_of(tiny_model_dir)[index]
-    model.eval()  # no dropout: the packed path drops no attention probabilities, the padded one would
+    model.eval()  # no dropout: the same scores and gradients to the rounding
     with torch.no_grad():
         for want, got in zip(scores(model, False), scores(model, True), strict=True):
             assert torch.allclose(got, want, atol=1e-5)
@@ -56,6 +56,27 @@ def test_packed_input_scores_and_trains_like_padded(tiny_model_dir, index):
         grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
     assert len(grads[0]) == len(grads[1]) > 0
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(*grads, strict=True))
+
+
+def test_packed_attention_drops_probabilities_as_padded_attention_does_in_training(tiny_model_dir):
+    """Where ``varlen_attn`` does not run (a CPU), a packed batch is the padded model in training too: its
+    attention drops probabilities at the backbone's rate, so the two paths' outputs are one distribution.
+    Only attention dropout is left on: 400 draws of each spread alike and agree in the mean."""
+    torch.manual_seed(0)
+    cross = CrossEncoder.from_pretrained(ModelConfig(base_model=str(tiny_model_dir), dropout=0.0))
+    for name, module in cross.named_modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.3 if name.endswith("attention.self.dropout") else 0.0
+    batch = cross.tokenizer.pairs(CONTEXTS, RESPONSES)
+    cross.train()
+    with torch.no_grad():
+        draws = {
+            packed: torch.stack([cross(batch.packed() if packed else batch) for _ in range(400)])
+            for packed in (False, True)
+        }
+    spread = {packed: d.std(0) for packed, d in draws.items()}  # [3]; without dropout it would be 0
+    assert (spread[False] > 0).all() and ((spread[True] / spread[False] - 1).abs() < 0.2).all()
+    assert ((draws[True].mean(0) - draws[False].mean(0)).abs() < 5 * spread[False] / 20).all()  # 5 SE
 
 
 def test_variable_length_attention_gets_each_rows_tokens_as_one_sequence(tiny_model_dir, monkeypatch):

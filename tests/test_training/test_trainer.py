@@ -538,7 +538,9 @@ def test_hard_negative_miner_takes_the_retrievers_top_candidates_except_the_gold
 
 
 def test_length_sorted_chunks_score_like_one_padded_batch(tmp_path, tiny_model_dir, toy_pairs):
-    one = Trainer(config(tmp_path, tiny_model_dir, mode="core"), toy_pairs, [], pool_of(toy_pairs))
+    one = Trainer(
+        config(tmp_path, tiny_model_dir, mode="core", packed=False), toy_pairs, [], pool_of(toy_pairs)
+    )
     chunked = Trainer(
         config(tmp_path, tiny_model_dir, mode="core", max_batch_tokens=60), toy_pairs, [], pool_of(toy_pairs)
     )
@@ -568,7 +570,7 @@ def test_packed_inputs_train_like_padded_ones_and_compute_no_padding(tmp_path, t
             tmp_path, tiny_model_dir, mode="core", packed=packed, output_dir=str(tmp_path / str(packed))
         )
         trainer = Trainer(cfg, toy_pairs, [], pool_of(toy_pairs))
-        trainer.bi.eval(), trainer.cross.eval()  # no dropout (packed attention drops no probabilities)
+        trainer.bi.eval(), trainer.cross.eval()  # no dropout: the same losses to the rounding
         pairs, rng = trainer._global_batch(0, 0)
         counts = trainer._micro_batch(pairs, trainer._candidate_lists(pairs, rng)).counts
         assert (counts["cross_padded"] == counts["cross_tokens"]) == packed
@@ -579,6 +581,28 @@ def test_packed_inputs_train_like_padded_ones_and_compute_no_padding(tmp_path, t
         runs.append([trainer.reduce_losses(trainer.train_step(0, i)) for i in range(3)])
     for want, got in zip(*runs, strict=True):
         assert want.keys() == got.keys() and all(abs(want[k] - got[k]) < 1e-4 for k in want)
+
+
+def test_a_cpu_trains_packed_unless_told_otherwise(tmp_path, tiny_model_dir, toy_pairs):
+    """``packed`` unset: packed on a CPU, where it is the padded model at less cost; padded beside
+    ``--max-batch-tokens`` or when asked (CUDA too, until a lease has measured that it pays there)."""
+
+    def packs(**kw) -> bool:
+        trainer = Trainer(
+            config(tmp_path, tiny_model_dir, mode="core", **kw), toy_pairs, [], pool_of(toy_pairs)
+        )
+        pairs, rng = trainer._global_batch(0, 0)
+        counts = trainer._micro_batch(pairs, trainer._candidate_lists(pairs, rng)).counts
+        assert (counts["cross_padded"] == counts["cross_tokens"]) == trainer.packed
+        return trainer.packed
+
+    assert TrainConfig().packed is None
+    assert (packs(), packs(packed=False), packs(max_batch_tokens=60), packs(packed=True)) == (
+        True,
+        False,
+        False,
+        True,
+    )
 
 
 def test_restatement_negatives_come_from_the_context_and_the_last_turns_neighbours(
