@@ -246,7 +246,7 @@ class Trainer:
             else None
         )
         self._frozen_recall: Retrieved | None = None  # the frozen retriever's over the validation pool
-        # Packed by default on a CPU, where it is the padded model at 1.7-2.1x the speed (docs/results.md
+        # Packed by default on a CPU, where it is the padded model at 1.1-1.4x the speed (docs/results.md
         # §50, §64); CUDA packs when asked, as a lease does where it measured that it pays there.
         models = [m for m in (self.bi, self.cross, self.teacher, self.frozen_bi) if m is not None]
         self.packed = (
