@@ -848,9 +848,10 @@ def test_the_restatement_guard_is_calibrated_at_build_and_drops_exactly_what_rea
 
     entry = load_bundle(guarded_bundle).manifest["restatement"]
     assert entry["quantile"] == 0.99 and entry["calibrated_on"] == "48 held-out pairs"
-    # each threshold is the 0.99 quantile, so it drops the top replies: 1 % of 48, but the toy pairs come
-    # 6 times each, and a reply's copies tie
-    assert entry["human_replies_dropped"] in (6 / 48, 12 / 48)
+    # each of the three thresholds is a quantile (0.99; words 0.995), so it drops its top reply: 1 % of 48.
+    # A toy pair's 6 copies share the last turn, so on it and its words they tie and go together (6 each);
+    # their earlier turns differ by round ("hi how are you N"), so that threshold drops 1 to 6 of them
+    assert 6 <= round(entry["human_replies_dropped"] * 48) <= 18
     assert dict(describe(guarded_bundle))["guard"].startswith(
         f"drops answers restating the context: cosine >= {entry['last_turn']} with the last turn"
     )
