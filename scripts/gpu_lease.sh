@@ -496,7 +496,7 @@ with lzma.open('.lease/dataset.json.xz') as src, open('/tmp/site/chitchat_datase
   packed | packed:*)  # CORE's throughput with and without --packed (every model input without padding:
     # variable-length FlashAttention) and whether packed input scores like padded on this card; where
     # it does and is >= 10 % faster, `train` (in this call and later ones) adds --packed to every run
-    # that starts: $LEASE/packed.flag. packed:S bounds the stage (default 120 s)
+    # that starts, else --no-packed: $LEASE/packed.flag. packed:S bounds the stage (default 120 s)
     local limit packed
     limit=$(seconds "$1" 120)
     if [ ! -f "$LEASE/packed.flag" ]; then
@@ -518,7 +518,7 @@ alike = check.get("max_abs_diff", 1e9) <= max(check.get("autocast_noise", 0), 1e
 kernel = check.get("varlen") or sys.argv[2] == "cpu"  # the dry run on the CPU has no FlashAttention
 speeds = {v: r["contexts_per_s"] for v, r in rows.items()}
 faster = speeds.get("packed", 0) >= 1.1 * speeds.get("base", 1e9)
-print("--packed" if alike and kernel and faster else "")
+print("--packed" if alike and kernel and faster else "--no-packed")  # said either way: a CPU packs unless told
 print(f"packed: {check}; contexts/s {speeds}", file=sys.stderr)
 EOF
     fi
