@@ -57,6 +57,24 @@ def checkpoint(kind: str):
     return parse
 
 
+def add_checkpoint_args(p: argparse.ArgumentParser, bi_default: str | None, cross_none: str) -> None:
+    """``--bi`` and ``--cross``: trained checkpoints, or ``builtin``; ``cross_none`` says what no
+    ``--cross`` means to this command."""
+    p.add_argument(
+        "--bi",
+        type=checkpoint("bi"),
+        default=bi_default,
+        help="bi-encoder checkpoint dir, 'builtin' (the default bundle's) or 'zero-shot'"
+        + (f" (default: {bi_default})" if bi_default else ""),
+    )
+    p.add_argument(
+        "--cross",
+        type=checkpoint("cross"),
+        default=None,
+        help=f"cross-encoder checkpoint dir or 'builtin' (the default bundle's); none: {cross_none}",
+    )
+
+
 def at_least(low: int):
     """An argparse type: an int >= ``low`` (argparse names the flag in its one-line error)."""
 

@@ -11,6 +11,7 @@ from typing import Any
 from cli.common import (
     DEFAULTS_SHOWN,
     CliError,
+    add_checkpoint_args,
     at_least,
     checkpoint,
     guard_quantile,
@@ -27,15 +28,7 @@ from coreply.restatement import DEFAULT_QUANTILE
 
 def eval_parser(sub) -> None:
     p = sub.add_parser("eval", help="evaluate on protocol A (1-of-N) and B (full pool)", **DEFAULTS_SHOWN)
-    p.add_argument(
-        "--bi",
-        type=checkpoint("bi"),
-        default=None,
-        help="bi-encoder checkpoint dir, 'builtin' or 'zero-shot'",
-    )
-    p.add_argument(
-        "--cross", type=checkpoint("cross"), default=None, help="cross-encoder checkpoint dir or 'builtin'"
-    )
+    add_checkpoint_args(p, None, "no reranker rows")
     p.add_argument(
         "--name",
         default=None,

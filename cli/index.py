@@ -11,8 +11,8 @@ from pathlib import Path
 from cli.common import (
     DEFAULTS_SHOWN,
     CliError,
+    add_checkpoint_args,
     at_least,
-    checkpoint,
     gate_fidelity,
     guard_quantile,
     knowledge_file,
@@ -36,18 +36,7 @@ def index_parser(sub) -> None:
     b.add_argument(
         "--output", "-o", type=out_dir, required=True, help="bundle directory to write (replaced atomically)"
     )
-    b.add_argument(
-        "--bi",
-        type=checkpoint("bi"),
-        default=ZERO_SHOT,
-        help="bi-encoder checkpoint dir, 'builtin' (the default bundle's) or 'zero-shot' (default)",
-    )
-    b.add_argument(
-        "--cross",
-        type=checkpoint("cross"),
-        default=None,
-        help="cross-encoder checkpoint dir or 'builtin' (the default bundle's); none: retrieval only",
-    )
+    add_checkpoint_args(b, ZERO_SHOT, "retrieval only")
     b.add_argument(
         "--knowledge-retriever",
         default=None,

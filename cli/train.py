@@ -51,6 +51,15 @@ def train_parser(sub) -> None:
     again.add_argument("--overwrite", action="store_true", help="delete the run in --output-dir, start anew")
     add_model_args(p)
     skip = {"mode", "output_dir", "model"}
+    none_default = {  # the type of a field whose default (None) does not say it
+        "max_steps": int,
+        "max_minutes": float,
+        "cross_lora_rank": int,
+        "cross_lr": float,
+        "init_bi": checkpoint("bi"),
+        "init_cross": checkpoint("cross"),
+        "teacher": checkpoint("cross"),
+    }
     for f in fields(TrainConfig):
         if f.name in skip:
             continue
@@ -63,14 +72,7 @@ def train_parser(sub) -> None:
         elif f.name == "models":
             p.add_argument(flag, choices=["both", "bi", "cross"], default=default, help=help_)
         else:
-            kind = {int: int, float: float}.get(type(default), str)
-            none_default = {"max_steps": int, "max_minutes": float, "cross_lora_rank": int, "cross_lr": float}
-            kind = none_default.get(f.name, kind)
-            kind = {
-                "init_bi": checkpoint("bi"),
-                "init_cross": checkpoint("cross"),
-                "teacher": checkpoint("cross"),
-            }.get(f.name, kind)
+            kind = none_default.get(f.name) or {int: int, float: float}.get(type(default), str)
             p.add_argument(flag, type=kind, default=default, help=help_)
 
 
