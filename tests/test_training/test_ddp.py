@@ -76,7 +76,11 @@ def run(rank: int, world: int, port: int, model_dir: str, out: str, batch_size: 
 
 def test_two_process_ddp_matches_single_process_on_the_same_global_batch(tmp_path, tiny_model_dir):
     out = str(tmp_path)
-    run(0, 1, 0, str(tiny_model_dir), out, batch_size=4)
+    threads = torch.get_num_threads()
+    try:
+        run(0, 1, 0, str(tiny_model_dir), out, batch_size=4)
+    finally:  # the single process is pytest's own: later tests (and session fixtures) train as before
+        torch.set_num_threads(threads)
     mp.spawn(run, args=(2, free_port(), str(tiny_model_dir), out, 2), nprocs=2, join=True)
     single = json.loads((tmp_path / "losses-1.json").read_text())
     ddp = json.loads((tmp_path / "losses-2.json").read_text())
