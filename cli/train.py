@@ -7,7 +7,7 @@ import json
 import os
 import shlex
 import sys
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -91,7 +91,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from training.trainer import Trainer
 
     resolve_device(config.device)
-    _prepare_run_dir(Path(config.output_dir), config, args.resume, args.overwrite)  # deletes with --overwrite
+    config = _prepare_run_dir(Path(config.output_dir), config, args.resume, args.overwrite)  # may delete
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         import torch
 
@@ -106,9 +106,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _prepare_run_dir(out: Path, config: Any, resume: bool, overwrite: bool) -> None:
+def _prepare_run_dir(out: Path, config: Any, resume: bool, overwrite: bool) -> Any:
     """A run directory holds one run: continuing it needs ``--resume`` (and the same recipe), starting
-    again ``--overwrite``; without either, an existing run is refused."""
+    again ``--overwrite``; without either, an existing run is refused. Returns ``config``, whose
+    ``packed`` a resume that does not set it takes from the run (as trained, on whatever device)."""
     import shutil
 
     from training.config import RESUMABLE
@@ -117,12 +118,12 @@ def _prepare_run_dir(out: Path, config: Any, resume: bool, overwrite: bool) -> N
     if not saved_path.is_file():
         if resume:
             raise CliError(f"--resume: no run in {out} (no train_config.json); drop --resume to start one")
-        return
+        return config
     if overwrite:
         for name in ("bi", "cross", "state", "metrics.jsonl", "summary.json", "train_config.json"):
             path = out / name
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
-        return
+        return config
     if not resume:
         raise CliError(
             f"{out} already holds a run; pass --resume to continue it or --overwrite to start again"
@@ -131,6 +132,8 @@ def _prepare_run_dir(out: Path, config: Any, resume: bool, overwrite: bool) -> N
         saved = json.loads(saved_path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise CliError(f"--resume: cannot read {saved_path} ({exc}); use --overwrite") from None
+    if config.packed is None:
+        config = replace(config, packed=saved.get("packed"))
     new = json.loads(json.dumps(asdict(config)))
     asked = saved.get("asked", {})  # values the data capped (Trainer.asked): either is the run's
     changed = sorted(
@@ -139,6 +142,7 @@ def _prepare_run_dir(out: Path, config: Any, resume: bool, overwrite: bool) -> N
     if changed:
         flags = ", ".join("--" + k.replace("_", "-") for k in changed)
         raise CliError(f"--resume: {flags} differ from the run in {out}; keep its values or --overwrite")
+    return config
 
 
 def pretrain_parser(sub) -> None:

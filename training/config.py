@@ -103,7 +103,8 @@ HELP = {
     "packed": "run each model's inputs as their real tokens only, no padding (variable-length "
     "FlashAttention on CUDA, PyTorch >= 2.10, without attention-probability dropout; elsewhere the same "
     "model as padded, 1.1-1.4x a CPU step, docs/results.md 64); instead of --max-batch-tokens. Default: "
-    "on a CPU, off on CUDA (where `scripts/gpu_lease.sh packed:S` measures it first)",
+    "on a CPU, off on CUDA (where `scripts/gpu_lease.sh packed:S` measures it first); with --resume, "
+    "the run's",
     "prefetch": "build the next step's lists and token ids in a thread while this step runs",
     "compile": "torch.compile the models (dynamic shapes)",
     "grad_clip": "gradient-norm clip (the precursor paper's value)",
