@@ -166,6 +166,12 @@ def _withdraw(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stage_defaults(args: argparse.Namespace) -> bool:
+    """Whether the guard, lexical stage, gate and reach are left to the build (as the default's were)."""
+    given = (args.restatement_quantile, args.lexical, args.lexical_depth, args.rerank_gate, args.rerank_reach)
+    return given == (DEFAULT_QUANTILE, "auto", LEXICAL_DEPTH, GATE_FIDELITY, REACH_FIDELITY)
+
+
 def cmd_index(args: argparse.Namespace) -> int:
     from coreply.readers import read_pairs, read_pool
 
@@ -225,11 +231,20 @@ def cmd_index(args: argparse.Namespace) -> int:
         print("note: no --queries pairs to weigh the response prior on: the bundle has no prior")
     queries = [p.context for p in pairs[:500]]
     calibration = pairs[: args.calibrate] if args.cross else []
-    if args.cross and not calibration:
+    from index_builder.default import builtin_pins
+
+    pinned = None if pairs or not _stage_defaults(args) else builtin_pins(args.bi, args.cross)
+    if pinned:
+        stages = ", ".join(name for name in pinned if name != "source")
+        print(
+            f"note: no --queries pairs to choose on: the built-in models take the default bundle's choices "
+            f"for them ({stages}), made on chitchat's validation pairs"
+        )
+    if args.cross and not calibration and not (pinned and "fusion" in pinned):
         print("note: no --queries pairs to calibrate on: the z-score fusion weight stays at its default")
-    if args.restatement_quantile is not None and not pairs:
+    if args.restatement_quantile is not None and not pairs and not pinned:
         print("note: no --queries pairs to calibrate on: the bundle has no restatement guard")
-    if args.lexical == "auto" and not pairs:
+    if args.lexical == "auto" and not pairs and not pinned:
         print("note: no --queries pairs to choose the lexical weight on: the bundle has no lexical stage")
     knowledge = knowledge_file(args.knowledge) if args.knowledge else ()
     from coreply.device import resolve_device  # torch's and the models' imports, after the inputs' checks
@@ -261,6 +276,7 @@ def cmd_index(args: argparse.Namespace) -> int:
         lexical_depth=args.lexical_depth,
         gate_fidelity=args.rerank_gate,
         reach_fidelity=args.rerank_reach,
+        pinned=pinned,
     )
     if args.lexical == "auto" and pairs and "lexical" not in manifest:
         print("note: BM25 did not raise hits@1 on --queries at any weight: the bundle has no lexical stage")

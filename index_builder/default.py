@@ -146,6 +146,24 @@ def pinned_choices() -> dict[str, Any] | None:
     return None
 
 
+def builtin_pins(bi: str | Path, cross: str | Path | None) -> dict[str, Any] | None:
+    """For a pool with no held-out pairs to choose on: the :data:`PINNED` choices that belong to the
+    shipped models rather than to chitchat's pool. With the shipped retriever, its restatement guard's
+    thresholds and the lexical stage's weight; with the shipped reranker beside it, also the fusion, gate
+    and reach (their margins are in the scores of that first stage). Not the prior: its values are
+    measured per pool, from reference contexts. None for other models. They were chosen on chitchat's
+    validation pairs; a pool's own pairs choose better (``coreply index build --queries``)."""
+    from coreply.checkpoint import read_meta
+    from coreply.config import ZERO_SHOT
+
+    if bi == ZERO_SHOT or read_meta(bi, verify=False)["content_hash"] != PINNED_FOR["bi"]:
+        return None
+    with_cross = cross is not None and read_meta(cross, verify=False)["content_hash"] == PINNED_FOR["cross"]
+    names = ("restatement", "lexical", "fusion") if with_cross else ("restatement", "lexical")
+    source = f"the default bundle's choices for the built-in models ({PINNED['source']})"
+    return {"source": source} | {name: PINNED[name] for name in names}
+
+
 def pool_digest(texts: Sequence[str]) -> str:
     """The sha256 of a list of texts, in order."""
     return hashlib.sha256(json.dumps(list(texts), ensure_ascii=False).encode()).hexdigest()

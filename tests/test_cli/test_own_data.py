@@ -337,3 +337,38 @@ def test_own_data_end_to_end_pool_metadata_eval_and_info(capsys, caplog, tmp_pat
     )  # fmt: skip
     assert code != 0 and f"--exclude-conversation: the pairs of --data {pairs} carry no conversation" in err
     assert 'give each record a "conversation_id"' in err and "Traceback" not in err
+
+
+def test_the_builtin_models_over_a_pool_with_no_pairs_take_the_defaults_choices(capsys, tmp_path, tiny_core):
+    """No --queries pairs to choose on: the shipped pair gets the guard, lexical weight, fusion, gate and
+    reach the default bundle chose for it, each marked pinned; no prior (its values are the pool's own).
+    Other models, or a stage flag the user set, keep the notes and the uncalibrated stages."""
+    from coreply.config import BUILTIN_WEIGHTS, ZERO_SHOT
+    from index_builder.default import PINNED, builtin_pins
+
+    pool = tmp_path / "pool.txt"
+    pool.write_text("i have two dogs.\nwhat do you do for work?\ni teach math at a high school.\nyes!\n")
+    out = tmp_path / "bundle"
+    code, said, err = run(
+        capsys, "index", "build", "-o", str(out), "--bi", "builtin", "--cross", "builtin",
+        "--pool", str(pool), "--onnx", "none",
+    )  # fmt: skip
+    assert code == 0, err
+    assert "take the default bundle's choices for them (restatement, lexical, fusion)" in said
+    assert "no --queries pairs to calibrate on" not in said
+    manifest = json.loads((out / "manifest.json").read_text())
+    for name in ("restatement", "lexical", "fusion"):
+        entry = {k: v for k, v in manifest[name].items() if k != "pinned"}
+        assert entry == PINNED[name] and "for the built-in models" in manifest[name]["pinned"]
+    assert "prior" not in manifest
+
+    bi, cross = BUILTIN_WEIGHTS["bi"], BUILTIN_WEIGHTS["cross"]
+    assert set(builtin_pins(bi, None)) == {"source", "restatement", "lexical"}  # no reranker, no fusion
+    assert set(builtin_pins(bi, tiny_core / "cross")) == {"source", "restatement", "lexical"}
+    assert builtin_pins(ZERO_SHOT, cross) is None and builtin_pins(tiny_core / "bi", cross) is None
+    from cli.index import _stage_defaults
+
+    argv = ["index", "build", "-o", str(out), "--bi", "builtin", "--cross", "builtin"]
+    assert _stage_defaults(build_parser().parse_args(argv))
+    for flag in (["--lexical", "off"], ["--restatement-quantile", "0.9"], ["--rerank-gate", "off"]):
+        assert not _stage_defaults(build_parser().parse_args(argv + flag)), flag  # the user's choice stands
