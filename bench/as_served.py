@@ -6,7 +6,10 @@ fusion (echo filter, restatement guard, response prior, lexical stage, the reran
 bundle's calibrated fusion), one context at a time. A top answer is a hit where it is the test reply.
 Every bundle after the first is compared with the first pair for pair: hits@1, the contexts it wins and
 loses, and the one-sided paired bootstrap p that it is not better, on each span and pooled over all of
-them (a gain too small to show on one span may show on all: docs/results.md §48).
+them (a gain too small to show on one span may show on all: docs/results.md §48). Each bundle's top
+answers are also judged for restating the context's last turn (``restates_%``: the zero-shot model judge
+and shared words, :mod:`evaluation.restatement`), beside people's own replies on the span (``people``):
+issue #12 asks for at most 1.5 times people's rate.
 
 This is what a lease's reranker has to pass: built into a candidate bundle beside the shipped first
 stage, it must beat the shipped default as served, on the pairs no choice was made on (the defaults:
@@ -41,10 +44,13 @@ from bench import (  # bench/bench.py: this script's directory is on sys.path
     span_pairs,
 )
 from coreply.artifacts import write_json_atomic
+from coreply.checkpoint import load_bi
+from coreply.config import ZERO_SHOT
 from coreply.corpus import load_chitchat
 from coreply.responder import Responder
 from coreply.text import normalize
 from evaluation.protocols import conversation_others
+from evaluation.restatement import RestatementJudge, words_rate
 
 N_R = 10  # candidates recalled, as the service's default (COREPLY_DEFAULT_CANDIDATES)
 
@@ -63,6 +69,12 @@ def top1(
     golds = [normalize(pair.response) for pair in pairs]
     hit = [i is not None and bot.bundle.keys[i] == g for i, g in zip(ids, golds, strict=True)]
     return ids, np.array(hit, dtype=float)
+
+
+def restates(judge: RestatementJudge, pairs: list, answers: list[str | None]) -> dict[str, float]:
+    """% of ``answers`` (None: none) that restate their pair's last turn, by the model judge and by words."""
+    contexts = [list(pair.context) for pair in pairs]
+    return {"judge": round(judge.rate(contexts, answers), 2), "words": words_rate(contexts, answers)}
 
 
 def main() -> None:
@@ -88,6 +100,7 @@ def main() -> None:
         raise SystemExit("--bundles: give two or more different ones, the first the one the others must beat")
     refuse_below(args, threads=1)
     bots = {path: responder(path, threads=args.threads) for path in args.bundles}  # all load before any runs
+    judge = RestatementJudge(load_bi(ZERO_SHOT))
 
     splits = load_chitchat()
     chosen = [span_pairs("--measure", splits, m) for m in measure]  # each span checked before any runs
@@ -97,20 +110,28 @@ def main() -> None:
         path: {"version": bot.bundle.version, "fusion": bot.default_fusion, "spans": {}}
         for path, bot in bots.items()
     }
+    result["people"] = {}  # span -> the restatement rates of its test replies
     for (split, start, limit), pairs in zip(measure, chosen, strict=True):
         name = span_name(split, start, limit)
         exclude = conversation_others(pairs, splits[split]) if args.exclude_conversation else None
+        result["people"][name] = restates(judge, pairs, [pair.response for pair in pairs])
         for path, bot in bots.items():
             began = time.perf_counter()
             answers, hit = top1(bot, pairs, exclude)
             hits[path][name], seconds = hit, time.perf_counter() - began
-            result["bundles"][path]["spans"][name] = {
+            texts = [None if i is None else bot.bundle.texts[i] for i in answers]
+            result["bundles"][path]["spans"][name] = row = {
                 "hits@1": round(100 * float(hit.mean()), 2),
                 "ms_per_context": round(1000 * seconds / len(pairs), 1),
+                "restates_%": restates(judge, pairs, texts),
                 "top1_cases": np.flatnonzero(hit).tolist(),  # to pair with other runs on the same span
                 "answers": answers,  # each context's top answer, a row of the bundle's pool (null: none)
             }
-            print(f"{name} {path}: hits@1 {100 * hit.mean():.2f} ({seconds:.0f} s)", flush=True)
+            print(
+                f"{name} {path}: hits@1 {100 * hit.mean():.2f}, restating {row['restates_%']} (people "
+                f"{result['people'][name]}) ({seconds:.0f} s)",
+                flush=True,
+            )
 
     names = [span_name(*m) for m in measure]
     first, *others = bots

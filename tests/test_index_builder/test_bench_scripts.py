@@ -1,5 +1,6 @@
 """The benchmark scripts on the tiny models: CPU smoke runs that keep them working (for a GPU lease too)."""
 
+import importlib.util
 import json
 import os
 import shutil
@@ -7,12 +8,24 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 from conftest import reseal
 
 from coreply.bundle import SEALING, load_bundle
 
 ROOT = Path(__file__).parents[2]
+
+
+def load_script(name: str, monkeypatch) -> ModuleType:
+    """bench/NAME.py as a module, its helpers in bench/bench.py importable as when it is run."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    monkeypatch.delitem(sys.modules, "bench", raising=False)
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def bench(script: str, *args: str) -> subprocess.CompletedProcess:
@@ -405,7 +418,7 @@ def test_rerank_gate_chooses_gates_on_one_span_and_scores_them_on_others(tmp_pat
     assert apart["n_r"]["4"]["spans"]["valid[0:12]"] == calibration
 
 
-def test_as_served_answers_as_the_gated_offline_ranking_and_pairs_bundles(tmp_path, tiny_bundle):
+def test_as_served_answers_as_the_gated_offline_ranking_and_pairs_bundles(tmp_path, tiny_bundle, monkeypatch):
     """Each bundle answers through its Responder, one context at a time: the same top answers as the
     offline ranking rerank_gate.py scores for the bundle's own gate and reach (two paths to one answer,
     which here differ from reranking every candidate); every later bundle is paired with the first on
@@ -446,6 +459,15 @@ def test_as_served_answers_as_the_gated_offline_ranking_and_pairs_bundles(tmp_pa
     assert rows["pooled"]["pairs"] == 70
     pooled_first = (40 * first[names[0]]["hits@1"] + 30 * first[names[1]]["hits@1"]) / 70
     assert abs(rows["pooled"]["first's hits@1"] - pooled_first) < 0.01
+
+    # restatements of the last turn: people's replies on these spans restate none, the turn itself does
+    assert result["people"] == {name: {"judge": 0.0, "words": 0.0} for name in names}
+    assert all(set(row["restates_%"]) == {"judge", "words"} for row in mine["spans"].values())
+    module = load_script("as_served", monkeypatch)
+    pairs = load_chitchat()["test"][:40]
+    judge = module.RestatementJudge(module.load_bi(module.ZERO_SHOT))
+    assert module.restates(judge, pairs, [pair.context[-1] for pair in pairs]) == {"judge": 100, "words": 100}
+    assert module.restates(judge, pairs, [None] * 40) == {"judge": 0, "words": 0}
 
 
 def test_quantisation_compares_each_int8_variant_with_fp32(tmp_path, tiny_core):
@@ -681,17 +703,9 @@ def test_hybrid_bm25_reorders_the_retrievers_first_candidates(tmp_path, tiny_cor
 def test_restatement_guard_answers_as_the_service_does(guarded_bundle, toy_pairs, monkeypatch):
     """The bench's batched answers are the service's, one request at a time: in the first stage's order
     and reranked with the bundle's fusion, with the guard off and on."""
-    import importlib.util
-
     from coreply.responder import Responder
 
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # as when run: its helpers in bench/bench.py
-    monkeypatch.delitem(sys.modules, "bench", raising=False)
-    path = ROOT / "bench" / "restatement_guard.py"
-    spec = importlib.util.spec_from_file_location("restatement_guard", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("restatement_guard", monkeypatch)
     bot = Responder.load(guarded_bundle)
     assert bot.default_fusion == "zscore"  # the bundle has a reranker
     for fusion in ("retrieval", "zscore"):
