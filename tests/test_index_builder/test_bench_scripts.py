@@ -171,6 +171,9 @@ def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):
         ("as_served.py", ["--bundles", str(tiny_bundle), str(tmp_path)], "--bundle: "),
         ("as_served.py", ["--bundles", "a", "b", "--measure", "test:0:8", "test:7:2"], "--measure: test:7"),
         ("as_served.py", ["--bundles", "a", "b", "--threads", "0"], "--threads: "),
+        ("prior_served.py", ["--bundle", str(tiny_bundle)], f"--bundle: {tiny_bundle} has no response prior"),
+        ("prior_served.py", ["--choose", "valid:0:10", "--measure", "valid:5:10"], "--measure: valid:5:10"),
+        ("prior_served.py", ["--alphas", "-1"], "--alphas: "),
         (
             "as_served.py",
             ["--bundles", str(tiny_bundle), str(retrieval_only), "--measure", "test:6800:100"],
@@ -468,6 +471,25 @@ def test_as_served_answers_as_the_gated_offline_ranking_and_pairs_bundles(tmp_pa
     judge = module.RestatementJudge(module.load_bi(module.ZERO_SHOT))
     assert module.restates(judge, pairs, [pair.context[-1] for pair in pairs]) == {"judge": 100, "words": 100}
     assert module.restates(judge, pairs, [None] * 40) == {"judge": 0, "words": 0}
+
+
+def test_prior_served_tries_each_weight_where_it_serves(tmp_path_factory, tmp_path, tiny_core, toy_pairs):
+    """Every weight answers the --choose spans as served, paired with the bundle's own; the held-out spans
+    are measured only where another weight wins. A weight of 0 is the bundle without its prior."""
+    from conftest import tiny_models_over, toy_pool
+
+    bundle = tiny_models_over(
+        tmp_path_factory, tiny_core, "prior", toy_pool(), prior_pairs=toy_pairs, guard_pairs=toy_pairs
+    )
+    out = tmp_path / "prior.json"
+    bench("prior_served.py", "--bundle", str(bundle), "--alphas", "0", "2", "--choose", "valid:0:12",
+          "--measure", "test:0:8", "--threads", "1", "--out", str(out))  # fmt: skip
+    result = json.loads(out.read_text())
+    own = result["own_alpha"]
+    assert set(result["choose"]) == {str(own), "0.0", "2.0"} and result["chosen"] in (own, 0.0, 2.0)
+    for alpha, row in result["choose"].items():
+        assert 0 <= row["hits@1"] <= 100 and (alpha == str(own)) == ("p_beats_own" not in row)
+    assert ("measure" in result) == (result["chosen"] != own)
 
 
 def test_quantisation_compares_each_int8_variant_with_fp32(tmp_path, tiny_core):
