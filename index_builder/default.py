@@ -147,12 +147,13 @@ def pinned_choices() -> dict[str, Any] | None:
 
 
 def builtin_pins(bi: str | Path, cross: str | Path | None) -> dict[str, Any] | None:
-    """For a pool with no held-out pairs to choose on: the :data:`PINNED` choices that belong to the
-    shipped models rather than to chitchat's pool. With the shipped retriever, its restatement guard's
+    """For a pool with no held-out pairs to choose on: the :data:`PINNED` choices made for the shipped
+    models that carry over to another pool. With the shipped retriever, its restatement guard's
     thresholds and the lexical stage's weight; with the shipped reranker beside it, also the fusion, gate
     and reach (their margins are in the scores of that first stage). Not the prior: its values are
     measured per pool, from reference contexts. None for other models. They were chosen on chitchat's
-    validation pairs; a pool's own pairs choose better (``coreply index build --queries``)."""
+    validation pairs (docs/results.md §65 measures them there, without pairs); a pool's own pairs
+    (``coreply index build --queries``) choose on that pool instead."""
     from coreply.checkpoint import read_meta
     from coreply.config import ZERO_SHOT
 
