@@ -69,10 +69,8 @@ def main() -> None:
     if bot.bundle.prior is None:
         raise SystemExit(f"--bundle: {args.bundle} has no response prior")
     own, values = bot.bundle.prior.alpha, bot.bundle.prior.values
-    backend = bot.pipeline.retrieve.backend
-    backend.encode_contexts = memoised(
-        backend.encode_contexts
-    )  # a context's vector is the same at every weight
+    backend = bot.pipeline.retrieve.backend  # a context's vector is the same at every weight
+    backend.encode_contexts = memoised(backend.encode_contexts)
     alphas = sorted({own, *args.alphas})
     splits = load_chitchat()
     pairs = {
@@ -96,7 +94,7 @@ def main() -> None:
     names = ", ".join(span_name(*s) for s in choose)
     hits = run(choose, [own, *(a for a in alphas if a != own)], result["choose"])
     best = max(alphas, key=lambda a: (hits[a].mean(), a == own))
-    result["chosen"] = best
+    result["chosen"], result["chosen_on"] = best, names
     print(f"chosen on {names}: alpha {best}", flush=True)
     if best != own and measure:
         result["measure"] = {"spans": [span_name(*s) for s in measure]}
