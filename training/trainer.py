@@ -189,10 +189,9 @@ class Trainer:
     ) -> None:
         self.sampler = NegativeSampler(negative_pool)
         self.rank, self.world = _world()
-        # what the data could not give, capped with a message (and below, packing left to the device):
-        # train_config.json keeps the values asked for beside the ones used, so that the same command
-        # line resumes the run
-        self.asked: dict[str, int | None] = {}
+        # what the data could not give, capped with a message; train_config.json keeps the values asked
+        # for beside the ones used, so that the same command line resumes the run
+        self.asked: dict[str, int] = {}
         if config.num_negatives > self.sampler.capacity:
             log.warning(
                 "--num-negatives %d, but the training pool has %d distinct responses: %d negatives per list "
@@ -257,9 +256,7 @@ class Trainer:
             and not config.max_batch_tokens
             and all(m.packable() for m in models)
         )
-        if config.packed is None:  # recorded as chosen, so that a resume elsewhere trains the same model
-            self.asked["packed"] = None
-            self.cfg = replace(self.cfg, packed=self.packed)
+        self.cfg = replace(self.cfg, packed=self.packed)  # as run: a resume that leaves it unset takes it
         self.mining_bi = self.bi if self.bi is not None else self.frozen_bi
         self.tokenize_seconds = self._warm_tokenizers(negative_pool)
         self.global_batch = config.batch_size * config.grad_accum * self.world

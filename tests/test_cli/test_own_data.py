@@ -239,8 +239,7 @@ def test_training_into_an_existing_run_needs_resume_or_overwrite(capsys, tmp_pat
     # packing left to the device is recorded as it ran; a resume that leaves it unset takes the run's,
     # also from a run recorded before packing was the CPU's default (padded, nothing asked)
     saved = json.loads((out / "train_config.json").read_text())
-    assert saved["packed"] is True and saved["asked"] == {"packed": None}
-    del saved["asked"]
+    assert saved["packed"] is True and "asked" not in saved
     (out / "train_config.json").write_text(json.dumps(saved | {"packed": False}))
     code, out_text, err = run(capsys, *base, "--max-steps", "3", "--resume")
     assert code == 0 and json.loads(out_text)["packed"] is False, err
@@ -268,7 +267,7 @@ def test_a_run_whose_data_capped_its_recipe_resumes_with_the_same_command_line(
     assert said in caplog.text
     recorded = json.loads((out / "train_config.json").read_text())
     assert recorded["batch_size"] == n_pairs and recorded["num_negatives"] < 500
-    assert recorded["asked"] == {"num_negatives": 500, "batch_size": 500, "packed": None}
+    assert recorded["asked"] == {"num_negatives": 500, "batch_size": 500}
     code, out_text, err = run(capsys, *base, "--max-steps", "3", "--resume")
     assert code == 0 and json.loads(out_text)["steps"] == 3, err
     code, _, err = run(capsys, *base, "--max-steps", "4", "--resume", "--num-negatives", "400")
@@ -279,7 +278,7 @@ def test_a_run_whose_data_capped_its_recipe_resumes_with_the_same_command_line(
     assert code == 0 and json.loads(out_text)["examples_seen"] == 2 * n_pairs, err
     recorded = json.loads((tmp_path / "accum" / "train_config.json").read_text())
     assert (recorded["batch_size"], recorded["grad_accum"]) == (1, n_pairs)
-    assert recorded["asked"] == {"num_negatives": 32, "batch_size": 2, "grad_accum": 100, "packed": None}
+    assert recorded["asked"] == {"num_negatives": 32, "batch_size": 2, "grad_accum": 100}
 
 
 def test_own_data_end_to_end_pool_metadata_eval_and_info(capsys, caplog, tmp_path, tiny_core, own_data):
