@@ -24,6 +24,11 @@ on a 2-vCPU AMD Zen 3 host: 17-20 minutes a bundle over the 11,445 default pairs
         --out docs/lease-DATE/as-served.json
     python bench/as_served.py --bundles artifacts/default-bundle artifacts/cand-core-warm \\
         --exclude-conversation --out docs/lease-DATE/as-served-apart.json   # a pool without the conversation
+
+A team's own pairs in place of chitchat's spans (``--pairs``, each file a span; bundles over that team's
+pool, docs/results.md §67 measures the built-in models over another corpus this way):
+
+    python bench/as_served.py --bundles bare.bundle pinned.bundle --pairs support.jsonl chat.jsonl
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from coreply.artifacts import write_json_atomic
 from coreply.checkpoint import load_bi
 from coreply.config import ZERO_SHOT
 from coreply.corpus import load_chitchat
+from coreply.readers import DataError, read_pairs
 from coreply.responder import Responder
 from coreply.text import normalize
 from evaluation.protocols import conversation_others
@@ -77,6 +83,28 @@ def restates(judge: RestatementJudge, pairs: list, answers: list[str | None]) ->
     return {"judge": round(judge.rate(contexts, answers), 2), "words": words_rate(contexts, answers)}
 
 
+def chitchat_spans(measure: list[str]) -> dict[str, tuple[list, list]]:
+    """``--measure``'s spans: name -> (its pairs, the whole split they come from)."""
+    splits = load_chitchat()
+    spans = disjoint_spans("--measure", measure)
+    return {span_name(*s): (span_pairs("--measure", splits, s), splits[s[0]]) for s in spans}
+
+
+def own_spans(files: list[str]) -> dict[str, tuple[list, list]]:
+    """``--pairs``' files: name (the file's) -> (every pair of it, twice); a one-line exit for one that
+    cannot be read, or for two of one name."""
+    if len({Path(f).name for f in files}) < len(files):
+        raise SystemExit("--pairs: two files have one name (a span's); give files with distinct names")
+    spans = {}
+    for path in files:
+        try:
+            pairs = read_pairs(path)
+        except DataError as exc:
+            raise SystemExit(f"--pairs: {exc}") from None
+        spans[Path(path).name] = (pairs, pairs)
+    return spans
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bundles", nargs="+", required=True, help="the first is the one the others must beat")
@@ -87,6 +115,13 @@ def main() -> None:
         help="split:start:limit, disjoint; with more than one, also pooled",
     )
     p.add_argument(
+        "--pairs",
+        nargs="+",
+        default=None,
+        metavar="FILE",
+        help="pairs files (as `coreply eval --data` reads), each a span, in place of --measure",
+    )
+    p.add_argument(
         "--exclude-conversation",
         action="store_true",
         help="each context excludes the other lines of its conversation, as a pool would that does not "
@@ -95,15 +130,13 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2, help="each bundle's intra-op threads")
     p.add_argument("--out", type=Path, default=None, help="JSON file to write")
     args = p.parse_args()
-    measure = disjoint_spans("--measure", args.measure)
     if len(set(args.bundles)) < len(args.bundles) or len(args.bundles) < 2:
         raise SystemExit("--bundles: give two or more different ones, the first the one the others must beat")
     refuse_below(args, threads=1)
+    spans = own_spans(args.pairs) if args.pairs else chitchat_spans(args.measure)  # checked before any runs
     bots = {path: responder(path, threads=args.threads) for path in args.bundles}  # all load before any runs
     judge = RestatementJudge(load_bi(ZERO_SHOT))
 
-    splits = load_chitchat()
-    chosen = [span_pairs("--measure", splits, m) for m in measure]  # each span checked before any runs
     hits: dict[str, dict[str, np.ndarray]] = {path: {} for path in bots}  # bundle -> span -> [N] 0/1
     result: dict = provenance() | {"exclude_conversation": args.exclude_conversation, "n_r": N_R}
     result["bundles"] = {
@@ -111,9 +144,8 @@ def main() -> None:
         for path, bot in bots.items()
     }
     result["people"] = {}  # span -> the restatement rates of its test replies
-    for (split, start, limit), pairs in zip(measure, chosen, strict=True):
-        name = span_name(split, start, limit)
-        exclude = conversation_others(pairs, splits[split]) if args.exclude_conversation else None
+    for name, (pairs, whole) in spans.items():
+        exclude = conversation_others(pairs, whole) if args.exclude_conversation else None
         result["people"][name] = restates(judge, pairs, [pair.response for pair in pairs])
         for path, bot in bots.items():
             began = time.perf_counter()
@@ -133,7 +165,7 @@ def main() -> None:
                 flush=True,
             )
 
-    names = [span_name(*m) for m in measure]
+    names = list(spans)
     first, *others = bots
     result["against_first"] = {}
     for path in others:

@@ -171,6 +171,13 @@ def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):
         ("as_served.py", ["--bundles", str(tiny_bundle), str(tmp_path)], "--bundle: "),
         ("as_served.py", ["--bundles", "a", "b", "--measure", "test:0:8", "test:7:2"], "--measure: test:7"),
         ("as_served.py", ["--bundles", "a", "b", "--threads", "0"], "--threads: "),
+        ("as_served.py", ["--bundles", "a", "b", "--pairs", str(other)], f"--pairs: {other}: "),
+        ("as_served.py", ["--bundles", "a", "b", "--pairs", "x/p.jsonl", "y/p.jsonl"], "--pairs: two files"),
+        (
+            "other_corpus.py",
+            ["--corpus", str(tmp_path), "--out", str(other)],
+            f"--corpus: {tmp_path} holds no",
+        ),
         ("prior_served.py", ["--bundle", str(tiny_bundle)], f"--bundle: {tiny_bundle} has no response prior"),
         ("prior_served.py", ["--choose", "valid:0:10", "--measure", "valid:5:10"], "--measure: valid:5:10"),
         ("prior_served.py", ["--alphas", "-1"], "--alphas: "),
@@ -463,6 +470,21 @@ def test_as_served_answers_as_the_gated_offline_ranking_and_pairs_bundles(tmp_pa
     pooled_first = (40 * first[names[0]]["hits@1"] + 30 * first[names[1]]["hits@1"]) / 70
     assert abs(rows["pooled"]["first's hits@1"] - pooled_first) < 0.01
 
+    # a team's own pairs file: the same pairs as a span of chitchat's get the same answers
+    own = tmp_path / "own.jsonl"
+    own.write_text(
+        "".join(
+            json.dumps({"context": p.context, "response": p.response}) + "\n"
+            for p in load_chitchat()["test"][:40]
+        )
+    )
+    bench("as_served.py", "--bundles", str(tiny_bundle), str(retrieval_only), "--pairs", str(own),
+          "--threads", "1", "--out", str(out))  # fmt: skip
+    again = json.loads(out.read_text())["bundles"]
+    for path, before in result["bundles"].items():
+        assert list(again[path]["spans"]) == ["own.jsonl"]
+        assert again[path]["spans"]["own.jsonl"]["answers"] == before["spans"]["test[0:40]"]["answers"]
+
     # restatements of the last turn: people's replies on these spans restate none, the turn itself does
     assert result["people"] == {name: {"judge": 0.0, "words": 0.0} for name in names}
     assert all(set(row["restates_%"]) == {"judge", "words"} for row in mine["spans"].values())
@@ -471,6 +493,26 @@ def test_as_served_answers_as_the_gated_offline_ranking_and_pairs_bundles(tmp_pa
     judge = module.RestatementJudge(module.load_bi(module.ZERO_SHOT))
     assert module.restates(judge, pairs, [pair.context[-1] for pair in pairs]) == {"judge": 100, "words": 100}
     assert module.restates(judge, pairs, [None] * 40) == {"judge": 0, "words": 0}
+
+
+def test_other_corpus_writes_each_distinct_pair_once_and_its_replies_as_the_pool(tmp_path):
+    corpus = tmp_path / "english"
+    corpus.mkdir()
+    (corpus / "greetings.yml").write_text(
+        "conversations:\n- - Hello\n  - Hi\n  - How are you?\n- - Hello\n  - Hi\n"
+    )
+    (corpus / "support.yml").write_text("conversations:\n- - My mouse froze.\n  - Try another port.\n")
+    (corpus / "empty.yml").write_text("categories:\n- empty\n")
+    out = tmp_path / "out"
+    bench("other_corpus.py", "--corpus", str(corpus), "--out", str(out))
+    pairs = [json.loads(line) for line in (out / "pairs.jsonl").read_text().splitlines()]
+    assert [(p["context"], p["response"], p["conversation_id"]) for p in pairs] == [
+        (["Hello"], "Hi", "greetings:0"),  # greetings:1 repeats it
+        (["Hello", "Hi"], "How are you?", "greetings:0"),
+        (["My mouse froze."], "Try another port.", "support:0"),
+    ]
+    replies = [json.loads(line)["text"] for line in (out / "replies.jsonl").read_text().splitlines()]
+    assert replies == ["Hi", "How are you?", "Try another port."]
 
 
 def test_prior_served_tries_each_weight_where_it_serves(tmp_path_factory, tmp_path, tiny_core, toy_pairs):
