@@ -38,7 +38,7 @@ def _lexical(entry: dict[str, Any] | None) -> str:
     measured = f": hits@1 {hits['dense']} dense alone, {hits['with lexical']} with it" if hits else ""
     return (
         f"BM25 reorders the first {entry['depth']} candidates, z-score weight {entry['weight']} of the dense "
-        f"score ({entry['calibrated_on']}{measured})"
+        f"score ({_on(entry)}{measured})"
     )
 
 
@@ -48,7 +48,7 @@ def _fusion(m: dict[str, Any]) -> str:
         return "retrieval (no rerank stage)"
     fusion = m.get("fusion", {})
     calibrated = "calibrated_on" in fusion
-    weight = f"{fusion['zscore_weight']} ({fusion['calibrated_on']})" if calibrated else "not calibrated"
+    weight = f"{fusion['zscore_weight']} ({_on(fusion)})" if calibrated else "not calibrated"
     gate = fusion.get("gate", {})
     gated = (
         f"; reranks only where the first stage leads by less than {gate['margin']:.4g} "
@@ -57,6 +57,12 @@ def _fusion(m: dict[str, Any]) -> str:
         else ""
     )
     return f"{default_fusion(m)} by default, z-score weight {weight}{gated}"
+
+
+def _on(entry: dict[str, Any], key: str = "calibrated_on") -> str:
+    """What a stage's choice was made on; 'pinned: ' before it where another build made it (named on the
+    ``choices`` line)."""
+    return ("pinned: " if "pinned" in entry else "") + entry[key]
 
 
 def _measured(entry: dict[str, Any]) -> str:
@@ -76,7 +82,7 @@ def _guard(entry: dict[str, Any] | None) -> str:
     return (
         f"drops answers restating the context: cosine >= {entry['last_turn']} with the last turn or "
         f">= {entry['earlier_turns']} with an earlier one (the {entry['quantile']} quantiles of human "
-        f"replies){words}; {entry['calibrated_on']}, "
+        f"replies){words}; {_on(entry)}, "
         f"{100 * entry['human_replies_dropped']:.2f} % of them dropped"
     )
 
@@ -111,7 +117,7 @@ def describe(path: str | Path) -> list[tuple[str, str]]:
             "prior",
             f"retrieval scores less {prior['alpha']} x each response's mean score against its "
             f"{prior['k']} closest of {prior['reference_contexts']:,} reference contexts "
-            f"({prior['chosen_on']}{_measured(prior)})"
+            f"({_on(prior, 'chosen_on')}{_measured(prior)})"
             if prior
             else "none",
         ),

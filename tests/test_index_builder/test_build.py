@@ -1108,8 +1108,10 @@ def test_a_build_with_pinned_choices_is_the_calibrated_build_without_calibrating
     assert pins_of(pinned, "the reference build") == pins  # pinning a pinned build changes nothing
     from index_builder.info import describe
 
-    assert dict(describe(tmp_path / "pinned"))["choices"] == "pinned from the reference build"
-    assert "choices" not in dict(describe(tmp_path / "ref"))
+    said, before = dict(describe(tmp_path / "pinned")), dict(describe(tmp_path / "ref"))
+    assert said["choices"] == "pinned from the reference build" and "choices" not in before
+    assert said["prior"] == before["prior"].replace("(", "(pinned: ", 1)  # made by another build
+    assert "(pinned: " in said["fusion"] and "pinned" not in before["fusion"]
     with pytest.raises(ValueError, match="need a 'source'"):
         build_bundle(tmp_path / "x", toy_pool(), **models, pinned={"fusion": pins["fusion"]})
     with pytest.raises(ValueError, match="entries among"):
