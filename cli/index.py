@@ -24,6 +24,7 @@ from coreply.config import ZERO_SHOT
 from coreply.gate import GATE_FIDELITY, REACH_FIDELITY
 from coreply.lexical import DEPTH as LEXICAL_DEPTH
 from coreply.lexical import PAIRS as LEXICAL_PAIRS
+from coreply.prior import REFERENCE
 from coreply.restatement import DEFAULT_QUANTILE
 
 
@@ -75,8 +76,9 @@ def index_parser(sub) -> None:
         default=None,
         metavar="FILE",
         help="pairs file (e.g. the training split) whose contexts measure the response prior, a correction "
-        "for responses close to every context, weighted by hits@1 on --queries; 'none': no prior "
-        "(default: the built-in train split for the chitchat pool, none for a file)",
+        "for responses close to every context, weighted by hits@1 on --queries (none: the built-in "
+        "retriever takes the default bundle's weight); 'none': no prior (default: the built-in train split "
+        "for the chitchat pool or the built-in retriever, none otherwise)",
     )
     b.add_argument(
         "--lexical",
@@ -166,12 +168,6 @@ def _withdraw(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stage_defaults(args: argparse.Namespace) -> bool:
-    """Whether the guard, lexical stage, gate and reach are left to the build (as the default's were)."""
-    given = (args.restatement_quantile, args.lexical, args.lexical_depth, args.rerank_gate, args.rerank_reach)
-    return given == (DEFAULT_QUANTILE, "auto", LEXICAL_DEPTH, GATE_FIDELITY, REACH_FIDELITY)
-
-
 def cmd_index(args: argparse.Namespace) -> int:
     from coreply.readers import read_pairs, read_pool
 
@@ -217,34 +213,44 @@ def cmd_index(args: argparse.Namespace) -> int:
     for path in (args.bi, args.cross, args.knowledge_retriever):  # what a typo names is said at once
         if path and path != ZERO_SHOT:
             read_meta(path, verify=False)  # the build verifies every hash
-    if args.pool == "chitchat":
-        from coreply.corpus import load_chitchat, responses_of
+    from coreply.corpus import load_chitchat, responses_of
+    from index_builder.default import builtin_pins
 
+    if args.pool == "chitchat":
         splits = load_chitchat()
         texts, metadata, pairs = responses_of(splits), [], splits["valid"]
     else:
         (texts, metadata), pairs = read_pool(args.pool), []
     if args.queries:
         pairs = read_pairs(args.queries)
-    prior_pairs = read_prior_pairs(args.prior_pairs, splits["train"] if args.pool == "chitchat" else None)
-    if prior_pairs and not pairs:
+    pinned = None if pairs else builtin_pins(args.bi, args.cross)
+    builtin_train = None  # the reference contexts of the built-in retriever's prior, as the default's
+    if args.pool == "chitchat" or (pinned and args.prior_pairs is None):
+        builtin_train = (splits if args.pool == "chitchat" else load_chitchat())["train"]
+    prior_pairs = read_prior_pairs(args.prior_pairs, builtin_train)
+    if pinned and not prior_pairs:  # --prior-pairs none
+        del pinned["prior"]
+    if pinned and "prior" in pinned:
+        source = "--prior-pairs" if args.prior_pairs else "chitchat's training split"
+        print(
+            f"note: no --queries pairs to weigh the response prior on: the built-in retriever's weight, the "
+            f"default bundle's, its values measured on this pool against {min(REFERENCE, len(prior_pairs))} "
+            f"contexts of {source} ('--prior-pairs none': no prior)"
+        )
+    elif prior_pairs and not pairs:
         print("note: no --queries pairs to weigh the response prior on: the bundle has no prior")
     queries = [p.context for p in pairs[:500]]
     calibration = pairs[: args.calibrate] if args.cross else []
-    from index_builder.default import builtin_pins
-
-    pinned = None if pairs or not _stage_defaults(args) else builtin_pins(args.bi, args.cross)
-    if pinned:
-        stages = ", ".join(name for name in pinned if name != "source")
+    if pinned and "fusion" in pinned:
         print(
-            f"note: no --queries pairs to choose on: the built-in models take the default bundle's choices "
-            f"for them ({stages}), made on chitchat's validation pairs"
+            "note: no --queries pairs to calibrate on: requests get the sum of the built-in models' scores "
+            "(the default bundle's fusion for them), all reranked; the z-score weight stays at its default"
         )
-    if args.cross and not calibration and not (pinned and "fusion" in pinned):
+    elif args.cross and not calibration:
         print("note: no --queries pairs to calibrate on: the z-score fusion weight stays at its default")
-    if args.restatement_quantile is not None and not pairs and not pinned:
+    if args.restatement_quantile is not None and not pairs:
         print("note: no --queries pairs to calibrate on: the bundle has no restatement guard")
-    if args.lexical == "auto" and not pairs and not pinned:
+    if args.lexical == "auto" and not pairs:
         print("note: no --queries pairs to choose the lexical weight on: the bundle has no lexical stage")
     knowledge = knowledge_file(args.knowledge) if args.knowledge else ()
     from coreply.device import resolve_device  # torch's and the models' imports, after the inputs' checks

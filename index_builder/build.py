@@ -368,6 +368,8 @@ def build_bundle(
                 guard_pairs,
                 alpha=pins["prior"]["alpha"] if "prior" in pins else None,
             )
+            if "prior" in pins:  # its weight pinned, its neighbourhood as this build measured it
+                pins["prior"].update(k=entry["k"], reference_contexts=entry["reference_contexts"])
             manifest["prior"] = pins.get("prior", entry)
         if bundle.prior is not None:
             np.save(tmp / PRIOR, bundle.prior.values)

@@ -338,13 +338,20 @@ def test_own_data_end_to_end_pool_metadata_eval_and_info(capsys, caplog, tmp_pat
     assert 'give each record a "conversation_id"' in err and "Traceback" not in err
 
 
-def test_the_builtin_models_over_a_pool_with_no_pairs_take_the_defaults_choices(capsys, tmp_path, tiny_core):
-    """No --queries pairs to choose on: the shipped pair gets the guard, lexical weight, fusion, gate and
-    reach the default bundle chose for it, each marked pinned; no prior (its values are the pool's own).
-    Other models, or a stage flag the user set, keep the notes and the uncalibrated stages."""
+def test_the_builtin_models_over_a_pool_with_no_pairs_take_the_defaults_prior_weight_and_sum(
+    capsys, tmp_path, tiny_core, toy_pairs, own_data, monkeypatch
+):
+    """No --queries pairs to choose on: the shipped retriever serves the response prior at the weight the
+    default bundle chose for it, its values measured on the pool against chitchat's training contexts as
+    the default's were (here a stand-in split of 30), or against --prior-pairs, or not at all ('none'); the
+    shipped reranker beside it, the default's fusion (the sum) without its gate and reach. Each is marked
+    pinned. No guard and no lexical stage, with their notes (docs/results.md §67). Other models: neither."""
+    import coreply.corpus
     from coreply.config import BUILTIN_WEIGHTS, ZERO_SHOT
+    from coreply.responder import Responder
     from index_builder.default import PINNED, builtin_pins
 
+    monkeypatch.setattr(coreply.corpus, "load_chitchat", lambda *_, **__: {"train": toy_pairs[:30]})
     pool = tmp_path / "pool.txt"
     pool.write_text("i have two dogs.\nwhat do you do for work?\ni teach math at a high school.\nyes!\n")
     out = tmp_path / "bundle"
@@ -353,21 +360,37 @@ def test_the_builtin_models_over_a_pool_with_no_pairs_take_the_defaults_choices(
         "--pool", str(pool), "--onnx", "none",
     )  # fmt: skip
     assert code == 0, err
-    assert "take the default bundle's choices for them (restatement, lexical, fusion)" in said
-    assert "no --queries pairs to calibrate on" not in said
+    assert "the built-in retriever's weight, the default bundle's" in said
+    assert "against 30 contexts of chitchat's training split" in said
+    assert "requests get the sum of the built-in models' scores" in said
+    assert "has no restatement guard" in said and "has no lexical stage" in said
     manifest = json.loads((out / "manifest.json").read_text())
-    for name in ("restatement", "lexical", "fusion"):
-        entry = {k: v for k, v in manifest[name].items() if k != "pinned"}
-        assert entry == PINNED[name] and "for the built-in models" in manifest[name]["pinned"]
-    assert "prior" not in manifest
+    prior = {k: v for k, v in manifest["prior"].items() if k != "pinned"}
+    assert prior == PINNED["prior"] | {
+        "k": 30,
+        "reference_contexts": 30,
+    }  # the weight pinned, the rest measured
+    assert {k: v for k, v in manifest["fusion"].items() if k != "pinned"} == {"default": "sum"}
+    assert all("for the built-in models" in manifest[name]["pinned"] for name in ("prior", "fusion"))
+    assert not {"restatement", "lexical"} & set(manifest)
+    assert (out / "prior.npy").stat().st_size == 128 + 4 * 4  # float32 [4], one a response
+    bot = Responder.load(out)
+    assert bot.default_fusion == "sum" and bot.pipeline.gate is None and bot.pipeline.reach is None
+
+    contexts = own_data[0]  # the team's own reference contexts
+    for given, measured in ((str(contexts), len(toy_pairs)), ("none", None)):
+        code, said, err = run(
+            capsys, "index", "build", "-o", str(out), "--bi", "builtin", "--cross", "builtin",
+            "--pool", str(pool), "--onnx", "none", "--prior-pairs", given,
+        )  # fmt: skip
+        assert code == 0, err
+        manifest = json.loads((out / "manifest.json").read_text())
+        assert manifest.get("prior", {}).get("reference_contexts") == measured
+        assert ("contexts of --prior-pairs" in said) == bool(measured) and manifest["fusion"][
+            "default"
+        ] == "sum"
 
     bi, cross = BUILTIN_WEIGHTS["bi"], BUILTIN_WEIGHTS["cross"]
-    assert set(builtin_pins(bi, None)) == {"source", "restatement", "lexical"}  # no reranker, no fusion
-    assert set(builtin_pins(bi, tiny_core / "cross")) == {"source", "restatement", "lexical"}
+    assert set(builtin_pins(bi, cross)) == {"source", "prior", "fusion"}
+    assert set(builtin_pins(bi, None)) == set(builtin_pins(bi, tiny_core / "cross")) == {"source", "prior"}
     assert builtin_pins(ZERO_SHOT, cross) is None and builtin_pins(tiny_core / "bi", cross) is None
-    from cli.index import _stage_defaults
-
-    argv = ["index", "build", "-o", str(out), "--bi", "builtin", "--cross", "builtin"]
-    assert _stage_defaults(build_parser().parse_args(argv))
-    for flag in (["--lexical", "off"], ["--restatement-quantile", "0.9"], ["--rerank-gate", "off"]):
-        assert not _stage_defaults(build_parser().parse_args(argv + flag)), flag  # the user's choice stands
