@@ -76,8 +76,8 @@ def index_parser(sub) -> None:
         default=None,
         metavar="FILE",
         help="pairs file (e.g. the training split) whose contexts measure the response prior, a correction "
-        "for responses close to every context, weighted by hits@1 on --queries (none: the built-in "
-        "retriever takes the default bundle's weight); 'none': no prior (default: the built-in train split "
+        "for responses close to every context, weighted by hits@1 on --queries (without them, the built-in "
+        "retriever's weight is the default bundle's); 'none': no prior (default: the built-in train split "
         "for the chitchat pool or the built-in retriever, none otherwise)",
     )
     b.add_argument(
@@ -232,10 +232,11 @@ def cmd_index(args: argparse.Namespace) -> int:
         del pinned["prior"]
     if pinned and "prior" in pinned:
         source = "--prior-pairs" if args.prior_pairs else "chitchat's training split"
+        contexts = min(REFERENCE, len(prior_pairs))
         print(
-            f"note: no --queries pairs to weigh the response prior on: the built-in retriever's weight, the "
-            f"default bundle's, its values measured on this pool against {min(REFERENCE, len(prior_pairs))} "
-            f"contexts of {source} ('--prior-pairs none': no prior)"
+            f"note: no --queries pairs to weigh the response prior on: the default bundle's weight for the "
+            f"built-in retriever; its values are measured on this pool against {contexts} contexts of "
+            f"{source} (about a minute; '--prior-pairs none': no prior)"
         )
     elif prior_pairs and not pairs:
         print("note: no --queries pairs to weigh the response prior on: the bundle has no prior")

@@ -23,3 +23,16 @@ $PY -c "import json, sys; from coreply.corpus import load_chitchat, responses_of
 $PY $D/variants.py "$C/pool.jsonl" "$C" two-bare bi-bare bi-prior two-prior-zscore two-prior-sum two-pins
 $PY bench/as_served.py --bundles "$C/two-bare" "$C/bi-bare" "$C/bi-prior" "$C/two-prior-zscore" \
     "$C/two-prior-sum" "$C/two-pins" --measure test:0:2000 --out $D/chitchat.json.gz
+
+# ChatterBot with pairs: its conversations alternately to choose on (--queries) and to measure on
+$PY -c "import json, sys; lines = open(sys.argv[1]).read().splitlines(); \
+    ids = sorted({json.loads(l)['conversation_id'] for l in lines}); half = set(ids[::2]); \
+    open(sys.argv[2], 'w').writelines(l + '\n' for l in lines if json.loads(l)['conversation_id'] in half); \
+    open(sys.argv[3], 'w').writelines(l + '\n' for l in lines if json.loads(l)['conversation_id'] not in half)" \
+    "$W/pairs.jsonl" "$W/choose.jsonl" "$W/measure.jsonl"
+.venv/bin/coreply index build --pool "$W/replies.jsonl" -o "$W/no-pairs" --bi builtin --cross builtin
+.venv/bin/coreply index build --pool "$W/replies.jsonl" -o "$W/queries-bi" --bi builtin --queries "$W/choose.jsonl"
+.venv/bin/coreply index build --pool "$W/replies.jsonl" -o "$W/queries-two" --bi builtin --cross builtin \
+    --queries "$W/choose.jsonl"
+$PY bench/as_served.py --pairs "$W/measure.jsonl" --out $D/chatterbot-queries.json.gz --bundles "$W/bi-bare" \
+    "$W/bi-prior" "$W/no-pairs" "$W/queries-bi" "$W/queries-two"

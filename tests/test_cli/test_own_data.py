@@ -360,7 +360,7 @@ def test_the_builtin_models_over_a_pool_with_no_pairs_take_the_defaults_prior_we
         "--pool", str(pool), "--onnx", "none",
     )  # fmt: skip
     assert code == 0, err
-    assert "the built-in retriever's weight, the default bundle's" in said
+    assert "the default bundle's weight for the built-in retriever" in said
     assert "against 30 contexts of chitchat's training split" in said
     assert "requests get the sum of the built-in models' scores" in said
     assert "has no restatement guard" in said and "has no lexical stage" in said
