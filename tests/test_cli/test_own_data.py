@@ -302,12 +302,11 @@ def test_own_data_end_to_end_pool_metadata_eval_and_info(capsys, caplog, tmp_pat
 
     from coreply.responder import Responder
 
-    records = [json.loads(line) for line in pool.read_text().splitlines()]
+    records = {r.pop("text"): r for r in map(json.loads, pool.read_text().splitlines())}
     reply = Responder.load(bundle).respond(["hello", "do you have a pet ?"])[0]
-    assert reply.text == "yes i have a dog and a cat"
-    assert reply.metadata == next(
-        {"id": r["id"], "intent": "yes"} for r in records if r["text"] == reply.text
-    )
+    # the team's own fields come back with the reply (which reply the toy models rank first differs between
+    # CPUs: on an Intel host with AMX they train to another order than on an AMD Zen 3)
+    assert reply.metadata == records[reply.text] and set(reply.metadata) == {"id", "intent"}
 
     code, out, err = run(capsys, "index", "info", str(bundle))
     assert (
