@@ -20,15 +20,25 @@ from pathlib import Path
 import yaml
 
 
-def conversations(folder: Path) -> dict[str, list[str]]:
-    """``topic:n`` -> the turns of each conversation in the ``*.yml`` files of ``folder``, in file order."""
-    out = {}
+def conversations(folder: Path) -> tuple[dict[str, list[str]], list[str]]:
+    """``topic:n`` -> the turns of each conversation in the ``*.yml`` files of ``folder``, in file order,
+    and the ``topic:n`` of entries that are not lists of turns, left out (1.3.3's trivia.yml has one, a
+    question and its answer in one string); a one-line exit naming a file that is not such YAML."""
+    out, skipped = {}, []
     for path in sorted(folder.glob("*.yml")):
-        for n, turns in enumerate(
-            yaml.safe_load(path.read_text(encoding="utf-8")).get("conversations") or []
-        ):
-            out[f"{path.stem}:{n}"] = [text for text in (str(t).strip() for t in turns) if text]
-    return out
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except (yaml.YAMLError, UnicodeDecodeError) as exc:
+            raise SystemExit(f"--corpus: {path} is not UTF-8 YAML ({type(exc).__name__})") from None
+        dialogues = data.get("conversations") or [] if isinstance(data, dict) else None
+        if not isinstance(dialogues, list):
+            raise SystemExit(f"--corpus: {path}: give 'conversations' as a list of lists of turns")
+        for n, turns in enumerate(dialogues):
+            if isinstance(turns, list):
+                out[f"{path.stem}:{n}"] = [text for text in (str(t).strip() for t in turns) if text]
+            else:
+                skipped.append(f"{path.stem}:{n}")
+    return out, skipped
 
 
 def pairs_and_replies(dialogues: dict[str, list[str]]) -> tuple[list[dict], list[str]]:
@@ -66,7 +76,10 @@ def main() -> None:
         folder = Path(chatterbot_corpus.__file__).parent / "data" / "english"
     if not sorted(folder.glob("*.yml")):
         raise SystemExit(f"--corpus: {folder} holds no .yml files")
-    pairs, replies = pairs_and_replies(conversations(folder))
+    dialogues, skipped = conversations(folder)
+    if skipped:
+        print(f"note: {len(skipped)} entries are not lists of turns, left out: {', '.join(skipped)}")
+    pairs, replies = pairs_and_replies(dialogues)
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / "pairs.jsonl", "w", encoding="utf-8") as f:
         f.writelines(json.dumps(pair, ensure_ascii=False) + "\n" for pair in pairs)

@@ -503,8 +503,11 @@ def test_other_corpus_writes_each_distinct_pair_once_and_its_replies_as_the_pool
     )
     (corpus / "support.yml").write_text("conversations:\n- - My mouse froze.\n  - Try another port.\n")
     (corpus / "empty.yml").write_text("categories:\n- empty\n")
+    (corpus / "blank.yml").write_text("")
+    (corpus / "trivia.yml").write_text("conversations:\n- A question and its answer in one string\n")
     out = tmp_path / "out"
-    bench("other_corpus.py", "--corpus", str(corpus), "--out", str(out))
+    said = bench("other_corpus.py", "--corpus", str(corpus), "--out", str(out)).stdout
+    assert "note: 1 entries are not lists of turns, left out: trivia:0" in said  # not one turn a letter
     pairs = [json.loads(line) for line in (out / "pairs.jsonl").read_text().splitlines()]
     assert [(p["context"], p["response"], p["conversation_id"]) for p in pairs] == [
         (["Hello"], "Hi", "greetings:0"),  # greetings:1 repeats it
@@ -513,6 +516,19 @@ def test_other_corpus_writes_each_distinct_pair_once_and_its_replies_as_the_pool
     ]
     replies = [json.loads(line)["text"] for line in (out / "replies.jsonl").read_text().splitlines()]
     assert replies == ["Hi", "How are you?", "Try another port."]
+
+    for text, says in (
+        ("conversations: [[a, b]\n", "is not UTF-8 YAML"),
+        ("conversations: hi\n", "a list of lists"),
+    ):
+        (corpus / "bad.yml").write_text(text)
+        script = str(ROOT / "bench" / "other_corpus.py")
+        run = subprocess.run(
+            [sys.executable, script, "--corpus", str(corpus), "--out", str(out)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert run.returncode != 0 and f"--corpus: {corpus / 'bad.yml'}" in run.stderr and says in run.stderr
+        assert "Traceback" not in run.stderr
 
 
 def test_prior_served_tries_each_weight_where_it_serves(tmp_path_factory, tmp_path, tiny_core, toy_pairs):
