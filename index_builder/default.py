@@ -156,8 +156,8 @@ def builtin_pins(bi: str | Path, cross: str | Path | None) -> dict[str, Any] | N
     the lexical stage). None for other retrievers.
 
     Not the restatement guard nor the lexical stage: over ChatterBot's corpus, where people's replies
-    share more with the question than on chitchat, they cost the built-in retriever 4.8 and 3.5 of its
-    25.5 hits@1, while on chitchat's own pool they had kept it level. A pool's own pairs (``coreply index
+    share more with the question than on chitchat, they cost the built-in retriever 5.1 and 4.1 of its
+    27.0 hits@1, while on chitchat's own pool they had kept it level. A pool's own pairs (``coreply index
     build --queries``) choose every stage on that pool."""
     from coreply.checkpoint import read_meta
     from coreply.config import ZERO_SHOT
