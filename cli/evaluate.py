@@ -56,7 +56,7 @@ def eval_parser(sub) -> None:
         "--valid-limit",
         type=at_least(0),
         default=500,
-        help="validation pairs for choosing the z-score weight",
+        help="first N validation pairs for choosing the z-score weight (0 = all)",
     )
     p.add_argument("--protocol", nargs="+", choices=["A", "B"], default=["A", "B"], help="protocols to run")
     p.add_argument(
@@ -166,7 +166,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         bi=args.bi,
         cross=args.cross,
         test=test,
-        valid=valid[: args.valid_limit],
+        valid=valid[: args.valid_limit or None],
         pool=pool_b,
         negatives=pool or [p.response for p in cases],
         protocols=tuple(args.protocol),

@@ -322,11 +322,13 @@ def test_own_data_end_to_end_pool_metadata_eval_and_info(capsys, caplog, tmp_pat
         capsys, "eval", "--bi", str(tiny_core / "bi"), "--data", str(pairs), "--pool", str(pool),
         "--candidates", "100", "--n-r", "4", "50", "--judge", "none", "--device", "cpu", "--out", str(result),
         "--valid-data", str(pairs),  # the guard is calibrated on them, and no judge: nothing to print of it
+        "--valid-limit", "0",  # all of them, as --limit 0 is every test pair
     )  # fmt: skip
     assert code == 0, err
     assert "+ guard" in out and "gold replies restate" not in out
     meta = json.loads(result.read_text())["meta"]
     assert meta["test_pairs"] == 48 and meta["pool_size"] == 8 and meta["candidates_protocol_a"] == 8
+    assert meta["valid_pairs_for_calibration"] == 48
     assert meta["n_r"] == [4, 8] and "note: --n-r 4 50 over a pool of 8 responses: n_r 4 8" in out
     assert "protocol A lists of 100 asked for, but the negative pool has 8 distinct responses" in caplog.text
     code, out, err = run(
