@@ -299,6 +299,9 @@ def test_own_data_end_to_end_pool_metadata_eval_and_info(capsys, caplog, tmp_pat
     assert manifest["fusion"]["gate"]["fidelity"] == 0.2 and manifest["fusion"]["reach"]["fidelity"] == 0.1
     assert manifest["build"]["command"].startswith("coreply index build -o")
     assert "lexical" not in manifest and "BM25 did not raise hits@1" in out  # the toy retriever needs none
+    chose = {line.split()[0]: line for line in out.splitlines()[-4:]}  # what it chose, as `index info` says
+    assert list(chose) == ["fusion", "guard", "prior", "lexical"] and chose["lexical"].endswith(" none")
+    assert "16 held-out pairs" in chose["fusion"] and "48 reference contexts" in chose["prior"]
 
     from coreply.responder import Responder
 
