@@ -2,7 +2,7 @@
 # docs/results.md §68: a team's own pairs, trained on from the built-in models on a CPU, over ChatterBot's
 # English conversations. From the repository root, after `make install` and
 # `.venv/bin/pip install --no-deps chatterbot-corpus==1.3.3` (BSD-3, not a dependency of coreply).
-# About 80 minutes on a 2-vCPU AMD EPYC Zen 4 VM: each training run 21-22, each eval about 5.
+# About 70 minutes on a 2-vCPU AMD EPYC Zen 4 VM: each training run 21-22, each eval about 5.
 set -euo pipefail
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 D=docs/owndata-2026-12-07 W=${WORK:-/tmp/oc}
