@@ -295,11 +295,10 @@ def cmd_index(args: argparse.Namespace) -> int:
         f"recall vs exact {info['recall_vs_exact'] or 'not measured (no queries)'}, "
         f"{manifest['build']['total_seconds']} s"
     )
-    from index_builder.info import describe
+    from index_builder.info import stages
 
-    for label, value in describe(args.output):  # what it chose, as `coreply index info` says it
-        if label in ("fusion", "guard", "prior", "lexical"):
-            print(f"{label:<10} {value}")
+    for label, value in stages(manifest):  # what it chose, as `coreply index info` says it
+        print(f"{label:<10} {value}")
     return 0
 
 

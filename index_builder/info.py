@@ -87,6 +87,25 @@ def _guard(entry: dict[str, Any] | None) -> str:
     )
 
 
+def stages(m: dict[str, Any]) -> list[tuple[str, str]]:
+    """(label, value) of each stage a build chooses (fusion, guard, prior, lexical), from a manifest
+    alone: what ``coreply index build`` prints of its choices, and :func:`describe` among the rest."""
+    prior = m.get("prior")
+    return [
+        ("fusion", _fusion(m)),
+        ("guard", _guard(m.get("restatement"))),
+        (
+            "prior",
+            f"retrieval scores less {prior['alpha']} x each response's mean score against its "
+            f"{prior['k']} closest of {prior['reference_contexts']:,} reference contexts "
+            f"({_on(prior, 'chosen_on')}{_measured(prior)})"
+            if prior
+            else "none",
+        ),
+        ("lexical", _lexical(m.get("lexical"))),
+    ]
+
+
 def describe(path: str | Path) -> list[tuple[str, str]]:
     """(label, value) lines describing the bundle at ``path`` (its hashes verified first)."""
     root = Path(path)
@@ -94,7 +113,7 @@ def describe(path: str | Path) -> list[tuple[str, str]]:
     build, index = m["build"], m["index"]
     added = sum(a["added"] for a in m.get("additions", []))
     recall = ", ".join(f"{k} {v}" for k, v in index["recall_vs_exact"].items()) or "not measured"
-    guard, prior, lexical = m.get("restatement"), m.get("prior"), m.get("lexical")
+    prior = m.get("prior")
     sizes = {name: _size(root / name) for name in sorted({f.split("/")[0] for f in m["files"]})}
     lines = [
         ("bundle", f"{root} (version {m['bundle_version']}, {m['format']}, built {build['created']})"),
@@ -111,17 +130,7 @@ def describe(path: str | Path) -> list[tuple[str, str]]:
         ),
         ("retriever", _model(m["models"]["bi"])),
         ("reranker", _model(m["models"].get("cross"))),
-        ("fusion", _fusion(m)),
-        ("guard", _guard(guard)),
-        (
-            "prior",
-            f"retrieval scores less {prior['alpha']} x each response's mean score against its "
-            f"{prior['k']} closest of {prior['reference_contexts']:,} reference contexts "
-            f"({_on(prior, 'chosen_on')}{_measured(prior)})"
-            if prior
-            else "none",
-        ),
-        ("lexical", _lexical(lexical)),
+        *stages(m),
         ("encoder", f"{m['encoder']}; built on {build['host']} in {build['total_seconds']} s"),
         (
             "size",
