@@ -30,7 +30,7 @@ def conversations(folder: Path) -> tuple[dict[str, list[str]], list[str]]:
             data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
         except (yaml.YAMLError, UnicodeDecodeError) as exc:
             raise SystemExit(f"--corpus: {path} is not UTF-8 YAML ({type(exc).__name__})") from None
-        dialogues = data.get("conversations") or [] if isinstance(data, dict) else None
+        dialogues = (data.get("conversations") or []) if isinstance(data, dict) else None
         if not isinstance(dialogues, list):
             raise SystemExit(f"--corpus: {path}: give 'conversations' as a list of lists of turns")
         for n, turns in enumerate(dialogues):
