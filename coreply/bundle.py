@@ -37,7 +37,7 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from functools import cached_property
+from functools import cached_property, partial
 from itertools import pairwise
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -46,6 +46,7 @@ import numpy as np
 
 from coreply.artifacts import Sealing, read_sealed, seal
 from coreply.checkpoint_meta import CheckpointError, read_meta
+from coreply.filters import MetadataIndex
 from coreply.lexical import BM25
 from coreply.lexical import Stage as LexicalStage
 from coreply.prior import Prior
@@ -53,7 +54,7 @@ from coreply.restatement import Guard
 from coreply.text import normalize
 
 if TYPE_CHECKING:  # the ranking stages import torch: loaded where a bundle is served, not to read one
-    from coreply.ranking import Hits, Pipeline
+    from coreply.ranking import Allow, Hits, Pipeline
 
 FORMAT = "coreply-bundle/2"
 MANIFEST = "manifest.json"
@@ -178,6 +179,11 @@ class Bundle:
         """Pool text -> id, made on first use and shared by what looks texts up in the pool: the
         reranker's tokenizer (stored ids) and :class:`IndexRetriever` (stored vectors)."""
         return {text: i for i, text in enumerate(self.texts)}
+
+    @cached_property
+    def filters(self) -> MetadataIndex:
+        """The pool's metadata fields indexed for filters (:mod:`coreply.filters`), made on first use."""
+        return MetadataIndex(self.metadata)
 
 
 def apply_search_params(index, params: str) -> None:
@@ -441,6 +447,24 @@ class TorchExactIndex:
                 ids.append(indices.cpu().numpy())
         return np.concatenate(scores), np.concatenate(ids)
 
+    def search_within(self, queries: np.ndarray, k: int, allow: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """queries [Q, D] -> each one's best ``k`` among the rows its ``allow`` [Q, N] (bool) sets,
+        (scores, ids) [Q, min(k, most rows allowed)], -1 past a query's last allowed row: one float32
+        pass over the pool for all of them, the rows a query may not answer masked, as fast for a
+        narrow filter as for a broad one."""
+        import torch
+
+        k = min(k, int(allow.sum(1).max()))
+        scores, ids = [], []
+        with torch.inference_mode():
+            barred = torch.from_numpy(~allow).to(self.vectors.device)  # [Q, N]
+            q = torch.as_tensor(queries).to(self.vectors.device, self.vectors.dtype)
+            for block, mask in zip(q.split(SEARCH_BLOCK), barred.split(SEARCH_BLOCK), strict=True):
+                top = torch.topk(self._scores(block).float().masked_fill(mask, -math.inf), k, dim=1)
+                scores.append(top.values.cpu().numpy())
+                ids.append(top.indices.where(top.values > -math.inf, -1).cpu().numpy())
+        return np.concatenate(scores), np.concatenate(ids)
+
     def _two_pass(self, queries: Any, k: int, low: _LowCopy) -> tuple[Any, Any]:
         """queries [B, D] -> their exact top k, (scores [B, k], ids [B, k]), in two passes: the 2k + 64
         best by ``low``, the pool in low precision, re-scored in float32. The top k of those is the
@@ -508,6 +532,27 @@ class TorchExactIndex:
 
         cuts = np.linspace(0, self.ntotal, max(1, min(torch.get_num_threads(), self.ntotal)) + 1).astype(int)
         return [slice(a, b) for a, b in pairwise(cuts)]
+
+
+def search_within(
+    index: Any, queries: np.ndarray, k: int, allow: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """queries [Q, D] -> each one's best ``k`` among the rows its ``allow`` [Q, N] (bool) sets, (scores,
+    ids) [Q, min(k, most rows allowed)], -1 past a query's last allowed row; exact over the vectors the
+    index stores. An exact index masks one pass over the pool (:meth:`TorchExactIndex.search_within`);
+    an approximate FAISS index (read back with :func:`_readable`) scores each query's allowed rows'
+    vectors, which costs in proportion to how many its filter allows."""
+    if isinstance(index, TorchExactIndex):
+        return index.search_within(queries, k, allow)
+    k = min(k, int(allow.sum(1).max()))
+    scores = np.full((len(queries), k), -np.inf, dtype="float32")
+    ids = np.full((len(queries), k), -1, dtype="int64")
+    for i, row in enumerate(allow):
+        rows = np.flatnonzero(row)  # [m]
+        got = index.reconstruct_batch(rows) @ queries[i]  # [m]
+        best = np.argsort(-got, kind="stable")[:k]  # [<= k]
+        scores[i, : len(best)], ids[i, : len(best)] = got[best], rows[best]
+    return scores, ids
 
 
 def searcher(index: Any, factory: str, device: str) -> Any:
@@ -582,7 +627,9 @@ class IndexRetriever:
         self.timings: dict[str, float] = {}
         self.rows = rows or {}
 
-    def __call__(self, contexts: Sequence[Sequence[str]], k: int) -> Hits:
+    def __call__(self, contexts: Sequence[Sequence[str]], k: int, allow: Allow = None) -> Hits:
+        """The best ``k`` hits of each context, within its ``allow`` rows where it has them (see
+        :func:`search_within`; -1 pads a row that has fewer)."""
         start = time.perf_counter()
         codes = None
         if self.backend.poly_codes:
@@ -592,14 +639,36 @@ class IndexRetriever:
             queries = self.backend.encode_contexts(contexts)  # [B, D]
         encoded = time.perf_counter()
         queries = np.ascontiguousarray(queries, dtype="float32")
-        if self.prior is None:
-            scores, ids = self.index.search(queries, min(k, self.index.ntotal))  # [B, k] x2
+        if allow is None:
+            scores, ids = self._search(self.index.search, queries, k, self.index.ntotal)  # [B, k] x2
         else:
-            scores, ids = self.prior.search(self.index.search, queries, k, self.index.ntotal)  # [B, k] x2
+            scores, ids = self._within(queries, k, allow)  # [B, k] x2
         self.timings = {"encode": encoded - start, "search": time.perf_counter() - encoded}
         from coreply.ranking import Hits
 
         return Hits(ids, scores, codes)
+
+    def _search(self, search: Any, queries: np.ndarray, k: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+        """The best ``k`` of a pool of ``size`` by ``search``, rescored by the prior if there is one."""
+        if self.prior is None:
+            return search(queries, min(k, size))
+        return self.prior.search(search, queries, k, size)
+
+    def _within(self, queries: np.ndarray, k: int, allow: Sequence[np.ndarray | None]) -> tuple[Any, Any]:
+        """queries [B, D] -> (scores, ids) [B, k], -1 padding: those with no ``allow`` searched together
+        over the pool, the others together, each within its own rows."""
+        scores = np.full((len(queries), k), -np.inf, dtype="float32")
+        ids = np.full((len(queries), k), -1, dtype="int64")
+        whole = [i for i, rows in enumerate(allow) if rows is None]
+        some = [i for i, rows in enumerate(allow) if rows is not None]
+        searches = [(whole, self.index.search, self.index.ntotal)] if whole else []
+        if some:
+            masks = np.stack([allow[i] for i in some])  # [F, N]
+            searches.append((some, partial(search_within, self.index, allow=masks), int(masks.sum(1).max())))
+        for rows, search, size in searches:
+            got, at = self._search(search, queries[rows], k, size)  # [len(rows), <= k] x2
+            scores[rows, : at.shape[1]], ids[rows, : at.shape[1]] = got, at
+        return scores, ids
 
     def vectors(self, ids: np.ndarray) -> np.ndarray:
         """[n] pool ids -> [n, D], as stored in the index."""
@@ -668,8 +737,8 @@ def pipeline(bundle: Bundle, backend: Any, index: Any = None) -> Pipeline:
     reach = fusion.get("reach", {}).get("margin")
     guard = bundle.manifest.get("restatement")
     index = bundle.index if index is None else index
-    if guard or (backend.poly_codes and not backend.has_cross):
-        _readable(index, bundle.root)
+    if guard or (backend.poly_codes and not backend.has_cross) or bundle.filters.fields:
+        _readable(index, bundle.root)  # and the filters' index, made here: before the first request
     # an exact index (:func:`searcher`'s test) holds the vectors as encoded, an approximate one may not;
     # a bundle still being built has no index entry yet
     exact = bundle.manifest.get("index", {}).get("factory") == "Flat"

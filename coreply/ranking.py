@@ -44,12 +44,18 @@ class Hits:
     codes: np.ndarray | None = None  # [B, m, D] a Poly-encoder's context codes (for the poly stage)
 
 
-class Retriever(Protocol):
-    """Finds hits for a batch of contexts. A Poly-encoder retriever's hits also carry codes. A dense
-    retriever also has ``vectors(ids [n]) -> [n, D]`` (the pool's response vectors: the poly stage and the
-    restatement guard read them) and ``encode_responses(texts [n]) -> [n, D]`` (the guard's context turns)."""
+Allow = Sequence[np.ndarray | None] | None
+"""Per context, [N] bool over pool ids: the rows its search runs within (None: the whole pool)."""
 
-    def __call__(self, contexts: Sequence[Sequence[str]], k: int) -> Hits: ...
+
+class Retriever(Protocol):
+    """Finds hits for a batch of contexts (with ``allow``, each within its allowed rows; a retriever
+    that never serves a filtered query may leave it out). A Poly-encoder retriever's hits also carry
+    codes. A dense retriever also has ``vectors(ids [n]) -> [n, D]`` (the pool's response vectors: the
+    poly stage and the restatement guard read them) and ``encode_responses(texts [n]) -> [n, D]`` (the
+    guard's context turns)."""
+
+    def __call__(self, contexts: Sequence[Sequence[str]], k: int, allow: Allow = None) -> Hits: ...
 
 
 ScorePairs = Callable[..., np.ndarray]
@@ -64,14 +70,17 @@ first: a :class:`~coreply.knowledge.KnowledgeSelector`."""
 @dataclass(frozen=True)
 class Query:
     """One query: the dialogue so far, pool entries that must not be answered (by text or id),
-    background knowledge the reply may draw on (a persona, an operator's facts), and whether answers may
-    restate the context (by default a guarded pipeline drops them)."""
+    background knowledge the reply may draw on (a persona, an operator's facts), whether answers may
+    restate the context (by default a guarded pipeline drops them), and ``allow``, [N] bool over pool
+    ids: the only responses it may be answered with (a metadata filter, :mod:`coreply.filters`; the
+    search runs within them), or None for all."""
 
     context: Sequence[str]
     exclude_texts: Sequence[str] = ()
     exclude_ids: Collection[int] = frozenset()
     knowledge: Sequence[str] = ()
     allow_restatements: bool = False
+    allow: np.ndarray | None = field(default=None, compare=False)
 
     def depth(self, n: int) -> int:
         """How many hits to fetch so that ``n`` survive the filter: the pool holds each normalised text
@@ -229,20 +238,24 @@ class Pipeline:
         guard = self.guard is not None
         fetch = [max(m, self.lexical.depth) for m in n] if self.lexical else n
         live = len(self.texts) - len(self.withdrawn)  # the answerable pool
+        lives = [self._live(q, live) for q in queries]  # each query's: its allowed rows not withdrawn
         k = max(q.depth(m) for q, m in zip(queries, fetch, strict=True))
-        k = min(k + (restatement.MARGIN if guard else 0), live)
+        k = min(k + (restatement.MARGIN if guard else 0), max(lives))
         out: list[Candidates | None] = [None] * len(queries)
         todo = list(range(len(queries)))
         timings: dict[str, float] = {}
         while todo:
-            hits = self.retrieve([queries[i].context for i in todo], k + len(self.withdrawn))
+            allow = [queries[i].allow for i in todo]
+            within = {"allow": allow} if any(a is not None for a in allow) else {}
+            hits = self.retrieve([queries[i].context for i in todo], k + len(self.withdrawn), **within)
             for stage, seconds in getattr(self.retrieve, "timings", {}).items():
                 timings[stage] = timings.get(stage, 0.0) + seconds
             keep = self._answerable([queries[i] for i in todo], hits.ids, k)
-            deeper = min(k * restatement.DEEPEN, restatement.MAX_DEPTH, live)
+            deeper = min(k * restatement.DEEPEN, restatement.MAX_DEPTH, max(lives[i] for i in todo))
             short = []
             for row, i in enumerate(todo):
-                if len(keep[row]) < n[i] and guard and not queries[i].allow_restatements and deeper > k:
+                room = deeper > k and lives[i] > k  # a deeper search would find more of this query's rows
+                if len(keep[row]) < n[i] and guard and not queries[i].allow_restatements and room:
                     short.append(i)
                     continue
                 kept = keep[row][: fetch[i]]
@@ -268,6 +281,13 @@ class Pipeline:
         return replace(
             c, ids=c.ids[best], retrieval=c.retrieval[best], lexical=bm25[best], hybrid=fused[best]
         )
+
+    def _live(self, query: Query, live: int) -> int:
+        """How many responses ``query`` may be answered with at most: the pool's ``live`` ones, or its
+        allowed rows that are not withdrawn."""
+        if query.allow is None:
+            return live
+        return int(query.allow.sum()) - sum(bool(query.allow[i]) for i in self.withdrawn)
 
     def word_sets(self) -> restatement.WordSets:
         """The pool's distinct words, read on first use (by a guard that counts words)."""

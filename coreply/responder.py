@@ -20,6 +20,7 @@ import numpy as np
 
 from coreply import gate
 from coreply.bundle import Bundle, default_fusion, load_bundle, make_backend, pipeline, search_on
+from coreply.filters import Filter
 from coreply.ranking import FUSIONS, Candidates, Query, order
 
 
@@ -59,6 +60,7 @@ class Responder:
         exclude_texts: Sequence[str] = (),
         knowledge: Sequence[str] | None = None,
         allow_restatements: bool = False,
+        filter: Filter | None = None,
     ) -> list[Reply]:
         """The best ``top_k`` of ``n_candidates`` recalled for ``context`` (oldest utterance first), never
         a copy of a context turn nor an excluded response, nor (with the bundle's restatement guard,
@@ -67,7 +69,8 @@ class Responder:
         rerank stage, in the first stage's order where it leads past the bundle's rerank gate, else
         reranking only the candidates within the bundle's reach (:func:`~coreply.gate.gated`); a named
         fusion always reranks all of them. ``knowledge`` (a persona, facts) grounds a reranker that reads
-        it; default: the bundle's own."""
+        it; default: the bundle's own. ``filter`` answers only with responses whose metadata matches it
+        (:mod:`coreply.filters`; a field no response has raises :class:`~coreply.filters.FilterError`)."""
         gated = fusion is None
         fusion = fusion or self.default_fusion
         if fusion not in FUSIONS:
@@ -79,8 +82,14 @@ class Responder:
         if knowledge and not self.pipeline.reads_knowledge:
             raise ValueError("knowledge: this bundle's reranker does not read knowledge")
         knowledge = self.bundle.knowledge if knowledge is None else knowledge
+        allow = None if filter is None else self.bundle.filters.allowed(filter)
         query = Query(
-            tuple(context), tuple(exclude_texts), frozenset(exclude_ids), tuple(knowledge), allow_restatements
+            tuple(context),
+            tuple(exclude_texts),
+            frozenset(exclude_ids),
+            tuple(knowledge),
+            allow_restatements,
+            allow,
         )
         (candidates,) = self.pipeline.recall([query], [n_candidates])
         reranked = n_candidates

@@ -157,9 +157,9 @@ class Engine:
         fallback = None
         if job.min_retrieval_score is not None:
             responses = [r for r in responses if r["retrieval_score"] >= job.min_retrieval_score]
-            if not responses:
-                fallback = self.settings.fallback_text
-                self.metrics.fallbacks.inc()
+        if not responses:  # none scored high enough, or a filter (or exclusions) allowed none
+            fallback = self.settings.fallback_text
+            self.metrics.fallbacks.inc()
         timings["total"] = time.perf_counter() - started
         if self.cascade is not None:
             self.cascade.observe(timings["queue_wait"])

@@ -10,6 +10,7 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictBool,
+    StrictFloat,
     StrictInt,
     StrictStr,
     ValidationError,
@@ -22,6 +23,11 @@ from pydantic_core import PydanticCustomError
 
 from coreply.ranking import Fusion
 from service.settings import Settings
+
+FILTER_FIELDS = 16
+"""Fields one request's ``filter`` may name."""
+FILTER_VALUES = 256
+"""Values one ``filter`` field may list."""
 
 
 class RespondBase(BaseModel):
@@ -50,6 +56,21 @@ def respond_request_model(settings: Settings) -> type[RespondBase]:
                 f"{most} characters",
             ) from None
 
+    def one_filter_value(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:  # one message for the field, not one per member of the union
+            raise PydanticCustomError(
+                "filter_value",
+                f"Input should be a text of at most {most} characters, a finite number or a boolean, or "
+                f"a list of 1 to {FILTER_VALUES} of them",
+            ) from None
+
+    value = StrictBool | StrictInt | StrictFloat | Annotated[StrictStr, Field(max_length=most)]
+    matched = Annotated[
+        value | Annotated[list[value], Field(min_length=1, max_length=FILTER_VALUES)],
+        WrapValidator(one_filter_value),
+    ]
     excluded = Annotated[
         Annotated[StrictInt, Field(ge=0)] | Annotated[StrictStr, Field(max_length=most)],
         WrapValidator(id_or_text),
@@ -123,6 +144,18 @@ def respond_request_model(settings: Settings) -> type[RespondBase]:
                 description="response ids or texts not to return (e.g. already said in this conversation)",
             ),
         ),
+        filter=(
+            dict[str, matched] | None,
+            Field(
+                None,
+                max_length=FILTER_FIELDS,
+                description="answer only with responses whose metadata (the pool file's other fields) "
+                "matches every field named: equal to the value, or to one of a list of values; a field "
+                "that is a list in the pool file matches when one of its items does. A field no response "
+                "has is a 422. The search runs within the responses allowed",
+                examples=[{"locale": "en", "intent": ["refund", "billing"]}],
+            ),
+        ),
     )
 
 
@@ -173,7 +206,9 @@ class RespondResponse(BaseModel):
     )
     degraded: Degraded | None = None
     fallback: str | None = Field(
-        None, description="set (to the service's fallback text) when no response reached min_retrieval_score"
+        None,
+        description="set (to the service's fallback text) when the answer has no response: none reached "
+        "min_retrieval_score, or the filter allowed none",
     )
 
 

@@ -83,7 +83,8 @@ class Settings(BaseSettings):
     )
     fallback_text: str = Field(
         "Sorry, I don't have a good answer to that.",
-        description="the answer's `fallback` when no response reaches the minimum retrieval score",
+        description="the answer's `fallback` when it has no response (none reaches the minimum retrieval "
+        "score, or a filter allows none)",
     )
 
     log_text: bool = Field(False, description="put dialogue text and answers in the access log")

@@ -21,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 
 from coreply.bundle import read_manifest
 from coreply.device import on_own_thread
+from coreply.filters import FilterError
 from coreply.ranking import Query
 from service.engine import Engine, Job
 from service.metrics import Metrics
@@ -39,12 +40,18 @@ def make_job(body: Any, engine: Engine, deadline: float | None = None) -> Job:
     if body.knowledge and not engine.pipeline.reads_knowledge:
         msg = "this bundle's reranker does not read knowledge (build one with `coreply ground train`)"
         raise RequestValidationError([{"loc": ("body", "knowledge"), "msg": msg, "type": "value_error"}])
+    try:
+        allow = None if body.filter is None else engine.bundle.filters.allowed(body.filter)
+    except FilterError as exc:
+        loc = ("body", "filter", exc.field)
+        raise RequestValidationError([{"loc": loc, "msg": exc.message, "type": "value_error"}]) from None
     query = Query(
         context=tuple(body.context),
         exclude_texts=tuple(x for x in body.exclude if isinstance(x, str)),
         exclude_ids=frozenset(x for x in body.exclude if isinstance(x, int)),
         knowledge=tuple(engine.bundle.knowledge if body.knowledge is None else body.knowledge),
         allow_restatements=body.allow_restatements,
+        allow=allow,
     )
     fusion = body.fusion or engine.default_fusion
     gated = body.fusion is None and engine.settings.rerank_gate

@@ -202,6 +202,7 @@ def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):
             f"--cross {tiny_bundle / 'cross'}: another --cross",
         ),
         ("own_turns.py", ["--cross", str(tmp_path)], f"--cross {tmp_path}: "),
+        ("filtered.py", ["--bundle", str(tiny_bundle), "--top-k", "5", "--candidates", "3"], "--top-k 5: "),
         ("own_turns.py", ["--cross", *[str(tiny_core / "cross")] * 2], "--cross: "),
         ("guard_rules.py", ["--words", "0.995", "1"], "--words: "),
         ("guard_rules.py", ["--depth", "3"], "--depth"),
@@ -614,6 +615,21 @@ def test_rerank_ensemble_sums_every_set_of_rerankers_on_the_same_candidates(tmp_
         assert own["top1_cases"] == again["top1_cases"] and again["wins_losses_vs_own"] == [0, 0]
     for name, row in rows.items():
         assert 0 <= row["hits@1"] <= 100 and (name == "first stage" or 0 <= row["p_beats_own"] <= 1)
+
+
+def test_filtered_times_each_share_of_the_pool_and_counts_what_filtering_after_leaves_short(
+    tmp_path, tiny_bundle
+):
+    out = tmp_path / "filtered.json"
+    bench("filtered.py", "--bundle", str(tiny_bundle), "--split", "valid", "--limit", "4", "--threads", "1",
+          "--out", str(out))  # fmt: skip
+    result = json.loads(out.read_text())
+    rows = {row["share allowed"]: row for row in result["filtered"]}
+    size = len(load_bundle(tiny_bundle).texts)
+    assert [row["responses allowed"] for row in rows.values()] == [1, 10, size, size, size]  # shard = id
+    assert rows[0.001]["short of top_k 3 %"] == 100.0 and rows[1.0]["short of top_k 3 %"] == 0.0
+    assert rows[1.0]["filtered after: short %"] == 0.0 and result["requests"] == 4
+    assert all(row["p50 ms"] > 0 and row["unfiltered p50 ms"] > 0 for row in rows.values())
 
 
 def test_own_turns_scores_the_reply_against_the_contexts_own_turns(tmp_path, tiny_core):

@@ -797,6 +797,43 @@ def test_pool_metadata_reaches_the_answer(tmp_path, tiny_core):
         assert sport["text"] == TOPICS["sport"][1] and sport["metadata"] is None
 
 
+def test_a_filter_answers_within_the_responses_whose_metadata_matches(tmp_path, tiny_core):
+    """The service reads the filter as the library does (tests/test_coreply/test_filters.py checks its
+    answers against a pool of the allowed responses alone); a filter that cannot match as meant is a 422
+    naming the field, one that allows nothing answers with the fallback."""
+    answers = [a for _, a in TOPICS.values()]
+    metadata = [{"intent": name, "locale": "en" if i % 2 else "de"} for i, name in enumerate(TOPICS)]
+    build_bundle(
+        tmp_path / "b", answers, bi=str(tiny_core / "bi"), onnx="none", progress=False, metadata=metadata
+    )
+    settings = Settings(bundle=tmp_path / "b", threads=1, fallback_text="Let me get a human.")
+    with TestClient(create_app(settings)) as c:
+        pet = {"context": [TOPICS["pet"][0]], "fusion": "retrieval"}
+        everything = c.post("/respond", json=pet | {"top_k": len(answers), "n_candidates": len(answers)})
+        ranked = everything.json()["responses"]  # the whole pool, best first
+        assert ranked[0]["metadata"]["intent"] == "pet"
+
+        def matches(metadata: dict, where: dict) -> bool:
+            return all(metadata[f] in (v if isinstance(v, list) else [v]) for f, v in where.items())
+
+        for where in ({"locale": "de"}, {"intent": ["sport", "food"]}, {"locale": "en", "intent": "pet"}):
+            body = c.post("/respond", json=pet | {"filter": where, "top_k": 2}).json()
+            expected = [r["id"] for r in ranked if matches(r["metadata"], where)][:2]
+            assert [r["id"] for r in body["responses"]] == expected and body["fallback"] is None
+        nobody = c.post("/respond", json=pet | {"filter": {"intent": "farewell"}}).json()
+        assert nobody["responses"] == [] and nobody["fallback"] == "Let me get a human."
+        for where, says in (
+            (
+                {"intnet": "pet"},
+                "filter.intnet: no response in this pool has this field (fields: intent, locale)",
+            ),
+            ({"intent": {"$in": ["pet"]}}, "filter.intent: Input should be a text of at most"),
+            ({"intent": []}, "filter.intent: Input should be a text of at most"),
+        ):
+            refused = c.post("/respond", json=pet | {"filter": where})
+            assert refused.status_code == 422 and refused.json()["error"].startswith(says), refused.text
+
+
 def test_fallback_when_no_response_is_similar_enough(tiny_bundle):
     settings = Settings(
         bundle=tiny_bundle, threads=1, min_retrieval_score=1e6, fallback_text="Let me get a human."

@@ -1,0 +1,116 @@
+"""Metadata filters: what a filter matches, and that a filtered search answers exactly as a pool holding
+only the allowed responses would (the same responses in the same order, with every stage)."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from conftest import toy_pool
+
+from coreply.bundle import load_bundle, make_backend, search_on
+from coreply.filters import FilterError, MetadataIndex
+from coreply.prior import Prior
+from coreply.ranking import Query
+from coreply.responder import Responder
+from index_builder.build import build_bundle
+
+POOL = [
+    {"intent": "refund", "locale": "en", "tags": ["billing", "vip"]},
+    {"intent": "refund", "locale": "de", "tier": 1},
+    {"intent": "greeting", "locale": "en", "tier": 1.0, "vip": True},
+    {"intent": "greeting", "vip": 1, "extra": {"nested": "never matched"}},
+    {},
+]
+
+
+def ids(mask: np.ndarray) -> list[int]:
+    return np.flatnonzero(mask).tolist()
+
+
+def test_a_filter_matches_every_field_and_any_of_a_fields_values():
+    index = MetadataIndex(POOL)
+    assert ids(index.allowed({})) == [0, 1, 2, 3, 4]
+    assert ids(index.allowed({"intent": "refund"})) == [0, 1]
+    assert ids(index.allowed({"intent": "refund", "locale": "en"})) == [0]
+    assert ids(index.allowed({"locale": ["de", "en"]})) == [0, 1, 2]
+    assert ids(index.allowed({"tags": "vip"})) == [0]  # a list in the pool matches by its items
+    assert ids(index.allowed({"tags": ["billing", "vip"]})) == [0]
+    assert ids(index.allowed({"intent": "farewell"})) == []  # a value nobody has: no match, no error
+
+
+def test_values_compare_as_json_values():
+    index = MetadataIndex(POOL)
+    assert ids(index.allowed({"tier": 1})) == ids(index.allowed({"tier": 1.0})) == [1, 2]
+    assert ids(index.allowed({"vip": True})) == [2]  # true is not 1
+    assert ids(index.allowed({"vip": 1})) == [3]
+    assert ids(index.allowed({"tier": "1"})) == []  # text is not a number
+
+
+@pytest.mark.parametrize(
+    ("where", "says"),
+    [
+        ({"intnet": "refund"}, "intnet: no response in this pool has this field (fields: intent, locale,"),
+        ({"extra": "x"}, "extra: no response in this pool has this field"),  # objects are never indexed
+        ({"intent": []}, "intent: an empty list of values matches nothing"),
+        ({"intent": {"$eq": "refund"}}, "intent: {'$eq': 'refund'} is not a text, number or boolean"),
+    ],
+)
+def test_a_filter_that_cannot_match_as_meant_is_refused_naming_the_field(where, says):
+    with pytest.raises(FilterError, match=says.replace("(", r"\(").replace("$", r"\$")):
+        MetadataIndex(POOL).allowed(where)
+
+
+@pytest.fixture(scope="module")
+def ivf_bundle(tmp_path_factory, tiny_core):
+    """The tiny retriever over the toy pool in an approximate FAISS index, probed exhaustively."""
+    path = tmp_path_factory.mktemp("bundles") / "ivf"
+    pool = toy_pool()
+    build_bundle(
+        path, pool, bi=str(tiny_core / "bi"), factory="IVF2,Flat", search_params="nprobe=2", onnx="none",
+        progress=False,
+    )  # fmt: skip
+    return path
+
+
+@pytest.mark.parametrize("name", ["tiny_bundle", "guarded_bundle", "lexical_bundle", "prior", "ivf_bundle"])
+def test_a_filtered_request_answers_as_a_pool_of_the_allowed_responses_alone(name, request, toy_pairs):
+    """The pool without the other responses is the same bundle with them withdrawn, which every stage
+    already treats as absent; a filter must give the same answers, in the same order, with the same
+    scores, whatever the stages (exact or approximate search, guard, lexical stage, prior, reranker)."""
+    bundle = load_bundle(request.getfixturevalue("tiny_bundle" if name == "prior" else name))
+    bundle = search_on(bundle, "cpu")
+    size = len(bundle.texts)
+    if name == "prior":  # a strong prior, so that it reorders
+        bundle = replace(bundle, prior=Prior(1.0, np.random.default_rng(0).random(size, dtype="float32")))
+    metadata = [{"half": i % 2, "tags": ["a"] if i % 3 else ["b"]} for i in range(size)]
+    bundle = replace(bundle, metadata=metadata)
+    backend = make_backend(bundle, "torch")
+    for where in ({"half": 1}, {"half": 0, "tags": "a"}):
+        allowed = bundle.filters.allowed(where)
+        alone = Responder(replace(bundle, withdrawn=frozenset(ids(~allowed))), backend)
+        filtered = Responder(bundle, backend)
+        for pair in toy_pairs[:6]:
+            expected = alone.respond(pair.context, top_k=size, n_candidates=size)
+            got = filtered.respond(pair.context, top_k=size, n_candidates=size, filter=where)
+            assert [r.id for r in got] == [r.id for r in expected] and all(allowed[r.id] for r in got)
+            np.testing.assert_allclose([r.score for r in got], [r.score for r in expected], rtol=1e-5)
+
+
+def test_filtered_and_whole_pool_queries_share_a_batch_as_each_would_run_alone(tiny_bundle, toy_pairs):
+    bundle = search_on(load_bundle(tiny_bundle), "cpu")
+    bot = Responder(bundle, make_backend(bundle, "torch"))
+    size = len(bundle.texts)
+    allow = np.zeros(size, dtype=bool)
+    allow[[1, 4, 5]] = True
+    queries = [
+        Query(toy_pairs[0].context, allow=allow),
+        Query(toy_pairs[1].context),
+        Query(toy_pairs[2].context, allow=np.zeros(size, dtype=bool)),  # a filter that allows nothing
+    ]
+    together = bot.pipeline.recall(queries, [5, 5, 5])
+    for query, got in zip(queries, together, strict=True):
+        (alone,) = bot.pipeline.recall([query], [5])
+        assert got.ids.tolist() == alone.ids.tolist()
+        np.testing.assert_allclose(got.retrieval, alone.retrieval, rtol=1e-5)
+    assert set(together[0].ids.tolist()) <= {1, 4, 5} and len(together[1].ids) == 5
+    assert len(together[2].ids) == 0
