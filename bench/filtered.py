@@ -1,13 +1,15 @@
 """What a metadata filter costs a request, and what searching within the allowed responses buys over
 filtering an unfiltered answer afterwards.
 
-The bundle's pool is given a synthetic field, ``shard``: a response's id modulo 1,000, so a filter
-naming s shards allows s / 1,000 of the pool, spread evenly over it. For each share, lone requests
+The bundle's pool is given synthetic fields, each a response's id modulo 1,000, 10 and 2 (``shard``,
+``tenth``, ``half``), so the filters of :data:`FILTERS` allow 0.1 % to all of the pool, spread evenly
+over it, with at most 10 values a field. For each filter, lone requests
 (chitchat contexts, one after another, the bundle's default fusion and ``--candidates``) are timed
 through :class:`~coreply.responder.Responder` (the service's ranking path, in process) with the filter,
-each beside the same context unfiltered. The alternative a team would otherwise write around a service
-without filters, asking for the top ``--candidates`` and keeping the allowed ones, is counted too: how
-many of its requests come back with fewer than ``--top-k`` answers, or none.
+each beside the same context unfiltered: whole requests and their search stage. The alternative a team
+would otherwise write around a service without filters, asking for the top ``--candidates`` and keeping
+the allowed ones, is counted too: how many of its requests come back with fewer than ``--top-k``
+answers, or none.
 
     python bench/filtered.py --bundle artifacts/default-bundle --limit 200 --out docs/filtered-cpu.json
 """
@@ -24,8 +26,14 @@ import numpy as np
 from bench import add_pairs_args, chosen_pairs, provenance, refuse_below, responder
 from coreply.artifacts import write_json_atomic
 
-SHARDS = 1000
-SHARES = (0.001, 0.01, 0.1, 0.5, 1.0)
+FILTERS = (
+    {"shard": 0},
+    {"shard": list(range(10))},
+    {"tenth": 0},
+    {"half": 0},
+    {"half": [0, 1]},
+)
+"""Filters allowing 0.1 %, 1 %, 10 %, 50 % and 100 % of the pool."""
 
 
 def timed(call) -> tuple[float, object]:
@@ -47,18 +55,24 @@ def main() -> None:
         raise SystemExit(f"--top-k {args.top_k}: more than --candidates {args.candidates}; give fewer")
     pairs = chosen_pairs(args)
     bot = responder(args.bundle, threads=args.threads)
-    bot.bundle = replace(bot.bundle, metadata=[{"shard": i % SHARDS} for i in range(len(bot.bundle.texts))])
+    metadata = [{"shard": i % 1000, "tenth": i % 10, "half": i % 2} for i in range(len(bot.bundle.texts))]
+    bot.bundle = replace(bot.bundle, metadata=metadata)
     options = {"top_k": args.top_k, "n_candidates": args.candidates}
     for pair in pairs[:5]:  # warm up
         bot.respond(pair.context, **options)
     rows = []
-    for share in SHARES:
-        where = {"shard": list(range(round(share * SHARDS)))}
+    for where in FILTERS:
         allowed = bot.bundle.filters.allowed(where)
-        ms, plain, short, empty, after_short, after_empty = [], [], 0, 0, 0, 0
+        ms, plain, search, plain_search, short, empty, after_short, after_empty = [], [], [], [], 0, 0, 0, 0
+        reranked, plain_reranked = 0, 0  # requests the reranker read (the rerank gate skipped the rest)
         for pair in pairs:  # each context unfiltered, then filtered: the same cache state for both
-            plain.append(timed(partial(bot.respond, pair.context, **options))[0])
+            took, got = timed(partial(bot.respond, pair.context, **options))
+            plain.append(took)
+            plain_search.append(1000 * bot.pipeline.timings["search"])
+            plain_reranked += bool(got) and got[0].rerank_score is not None
             took, got = timed(partial(bot.respond, pair.context, filter=where, **options))
+            search.append(1000 * bot.pipeline.timings["search"])
+            reranked += bool(got) and got[0].rerank_score is not None
             assert all(allowed[r.id] for r in got)
             ms.append(took)
             short, empty = short + (len(got) < args.top_k), empty + (not got)
@@ -67,11 +81,17 @@ def main() -> None:
             after_short, after_empty = after_short + (len(kept) < args.top_k), after_empty + (not kept)
         rows.append(
             {
-                "share allowed": share,
+                "filter": where,
+                "share allowed": round(float(allowed.mean()), 4),
                 "responses allowed": int(allowed.sum()),
                 "p50 ms": round(float(np.median(ms)), 2),
                 "p95 ms": round(float(np.percentile(ms, 95)), 2),
                 "unfiltered p50 ms": round(float(np.median(plain)), 2),
+                "paired difference p50 ms": round(float(np.median(np.subtract(ms, plain))), 2),
+                "search p50 ms": round(float(np.median(search)), 2),
+                "unfiltered search p50 ms": round(float(np.median(plain_search)), 2),
+                "reranked %": round(100 * reranked / len(pairs), 1),
+                "unfiltered reranked %": round(100 * plain_reranked / len(pairs), 1),
                 f"short of top_k {args.top_k} %": round(100 * short / len(pairs), 1),
                 "filtered after: short %": round(100 * after_short / len(pairs), 1),
                 "filtered after: no answer %": round(100 * after_empty / len(pairs), 1),

@@ -55,7 +55,8 @@ class MetadataIndex:
                         postings[name][term].append(i)
         self.size = len(metadata)
         self.fields = {
-            name: {term: np.unique(ids) for term, ids in values.items()} for name, values in postings.items()
+            name: {term: np.asarray(ids, dtype=np.int64) for term, ids in values.items()}
+            for name, values in postings.items()
         }
 
     def allowed(self, where: Filter) -> np.ndarray:

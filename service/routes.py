@@ -76,6 +76,7 @@ def build_router(settings: Settings, request_model: type) -> APIRouter:
             "bundle_version": engine.bundle.version,
             "responses": len(engine.bundle.texts),
             "withdrawn": len(engine.bundle.withdrawn),
+            "filter_fields": sorted(engine.bundle.filters.fields),
             "backend": engine.backend.name,
             "reranker": engine.pipeline.reranker,
             "rerank_gate": engine.pipeline.gate if engine.settings.rerank_gate else None,

@@ -50,6 +50,7 @@ def test_ready_and_health(client):
     ready = client.get("/readyz").json()
     assert ready["status"] == "ready" and ready["reranker"] and ready["backend"] == "onnx"
     assert ready["threads"] == 1 and ready["responses"] == 13 and ready["withdrawn"] == 0
+    assert ready["filter_fields"] == []  # the toy pool gave no metadata
 
 
 def test_no_route_hands_a_dependency_to_a_worker_thread(tiny_bundle):
@@ -812,6 +813,7 @@ def test_a_filter_answers_within_the_responses_whose_metadata_matches(tmp_path, 
         everything = c.post("/respond", json=pet | {"top_k": len(answers), "n_candidates": len(answers)})
         ranked = everything.json()["responses"]  # the whole pool, best first
         assert ranked[0]["metadata"]["intent"] == "pet"
+        assert c.get("/readyz").json()["filter_fields"] == ["intent", "locale"]
 
         def matches(metadata: dict, where: dict) -> bool:
             return all(metadata[f] in (v if isinstance(v, list) else [v]) for f, v in where.items())
