@@ -73,6 +73,16 @@ def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
 
 
+def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What an adapter checkpoint of ``model`` stores: :func:`trainable_state`, and the frozen tensors
+    the adapter checkpoint it was loaded from stored beyond that (``model.kept_whole``, set by
+    :func:`coreply.checkpoint.load_checkpoint`): the position and token-type tables of a reranker
+    compacted by :func:`extract_lora`, which adapters trained on from it keep frozen and must not drop."""
+    params = dict(model.named_parameters())
+    kept = {name: params[name].detach() for name in getattr(model, "kept_whole", ())}
+    return kept | trainable_state(model)
+
+
 def merge_lora(model: nn.Module) -> None:
     """Fold every adapter into its weight (in place): the model becomes a plain one again."""
     for module in list(model.modules()):

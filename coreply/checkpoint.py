@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoTokenizer
 
-from coreply.adapters import add_lora, lora_settings, merge_lora, trainable_state
+from coreply.adapters import adapter_state, add_lora, lora_settings, merge_lora, trainable_state
 from coreply.artifacts import seal, sha256_file, staging
 from coreply.checkpoint_meta import ADAPTER, META, SEALING, WEIGHTS, CheckpointError, read_meta
 from coreply.config import ZERO_SHOT, ModelConfig
@@ -44,11 +44,11 @@ def save_weights(model: nn.Module, path: Path, state: dict[str, torch.Tensor] | 
     path.chmod(0o644)  # safetensors writes 0600; a server running as another user must read it
 
 
-def load_weights(model: nn.Module, path: Path, expected: dict[str, torch.Tensor] | None = None) -> None:
+def load_weights(model: nn.Module, path: Path, expected: dict[str, torch.Tensor] | None = None) -> list[str]:
     """Load :func:`save_weights` output; every tensor of ``expected`` (default: the state dict) must be
     stored or alias a stored one, and nothing the model lacks may be stored. A stored tensor of the model
     beyond ``expected`` is loaded too: a compact checkpoint keeps frozen embedding tables that way
-    (:func:`coreply.adapters.extract_lora`)."""
+    (:func:`coreply.adapters.extract_lora`). Returns the names of those beyond ``expected``."""
     tensors = load_file(str(path))
     _, unexpected = model.load_state_dict(tensors, strict=False)
     params = model.state_dict(keep_vars=True)
@@ -59,6 +59,7 @@ def load_weights(model: nn.Module, path: Path, expected: dict[str, torch.Tensor]
         raise CheckpointError(
             f"{path}: weights do not fit the config (missing={really_missing}, unexpected={unexpected})"
         )
+    return sorted(name for name in tensors if name not in wanted)
 
 
 def save_checkpoint(
@@ -73,7 +74,7 @@ def save_checkpoint(
             save_weights(model, tmp / WEIGHTS)
             model.tokenizer.hf.save_pretrained(str(tmp / "tokenizer"))
         else:  # compact: the base model supplies the frozen weights and the tokenizer
-            save_weights(model, tmp / ADAPTER, trainable_state(model))
+            save_weights(model, tmp / ADAPTER, adapter_state(model))
             base = base_weights(model.config)
             adapter["base_sha256"] = sha256_file(base)
             adapter["base_fp16_sha256"] = fp16_fingerprint(base)
@@ -130,7 +131,7 @@ def _load_adapter(root: Path, meta: dict[str, Any], config: ModelConfig) -> BiEn
         )
     model = model_class(meta["kind"], config).from_pretrained(config)
     add_lora(model, int(adapter["rank"]), float(adapter["alpha"]))
-    load_weights(model, root / ADAPTER, trainable_state(model))
+    model.kept_whole = load_weights(model, root / ADAPTER, trainable_state(model))  # saved again as loaded
     return model
 
 

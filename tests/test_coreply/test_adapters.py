@@ -204,3 +204,59 @@ def test_a_reranker_trained_in_full_ships_as_adapters_that_keep_its_low_rank_cha
     assert (cross_scores(loaded) - expected).abs().max() < 1e-2 * spread  # fp16 factors
     assert main(["compact", str(tmp_path / "small"), "-o", str(tmp_path / "again")]) == 2
     assert main(["compact", str(tmp_path / "full"), "-o", str(tmp_path / "big"), "--rank", "999"]) == 2
+
+
+def compact_reranker(tmp_path, tiny_model_dir) -> str:
+    """A reranker fine-tuned in full (its position and token-type tables too), compacted to rank-2
+    adapters as the shipped one was: the tables are stored whole beside the adapters."""
+    from coreply.adapters import extract_lora
+
+    torch.manual_seed(0)
+    config = ModelConfig(base_model=str(tiny_model_dir), dropout=0.0)
+    tuned = CrossEncoder.from_pretrained(config).eval()
+    with torch.no_grad():
+        for param in tuned.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    compact = CrossEncoder.from_pretrained(config).eval()
+    extract_lora(compact, tuned, rank=2)
+    save_checkpoint(compact, tmp_path / "compact")
+    return str(tmp_path / "compact")
+
+
+def test_adapters_trained_on_from_a_compact_checkpoint_keep_its_embedding_tables(tmp_path, tiny_model_dir):
+    """``--init-cross builtin --cross-lora-rank 32`` loads the shipped reranker's adapters unmerged and
+    trains them on. Its position and token-type tables stay frozen, but a checkpoint saved from it must
+    store them: without them it loads over the base model's tables, another reranker (a run's saved
+    reranker once scored 24.6 hits@1 where the same weights had validated at 40.6)."""
+    source = compact_reranker(tmp_path, tiny_model_dir)
+    expected = cross_scores(load_checkpoint(source, expect="cross"))
+    unmerged = load_checkpoint(source, expect="cross", merge=False)
+    tables = [
+        "backbone.embeddings.position_embeddings.weight",
+        "backbone.embeddings.token_type_embeddings.weight",
+    ]
+    assert not any(unmerged.get_parameter(t).requires_grad for t in tables)  # frozen, as trained
+    save_checkpoint(unmerged, tmp_path / "again")  # what a run saves at step 0, or one that trained nothing
+    assert torch.allclose(
+        cross_scores(load_checkpoint(tmp_path / "again", expect="cross")), expected, atol=1e-5
+    )
+
+
+def test_a_run_saves_the_reranker_it_validated(tmp_path, tiny_model_dir, toy_pairs):
+    """The reranker a run keeps scores its validation lists as the run recorded when it kept it, here for
+    adapters trained on from a compact checkpoint."""
+    from evaluation.protocols import evaluate_lists
+
+    source = compact_reranker(tmp_path, tiny_model_dir)
+    cfg = core_with_adapters(
+        tmp_path, tiny_model_dir, init_cross=source, cross_lora_rank=2, batch_size=8, max_steps=4,
+        eval_every=2, valid_size=16, valid_candidates=4, log_every=2,
+    )  # fmt: skip
+    trainer = Trainer(cfg, toy_pairs, toy_pairs[:16], sorted({p.response for p in toy_pairs}))
+    trainer.fit()
+    saved = tmp_path / "run" / "cross"
+    recorded = json.loads((saved / "checkpoint.json").read_text())["extra"]["valid"]["cross"]
+    again = evaluate_lists(
+        trainer.valid_pairs, trainer.valid_lists, None, load_checkpoint(saved, expect="cross")
+    )
+    assert again["cross"]["metrics"]["mrr"] == pytest.approx(recorded["mrr"], abs=1e-6)
