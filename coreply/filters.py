@@ -25,7 +25,8 @@ Filter = Mapping[str, Scalar | Sequence[Scalar]]
 
 
 class FilterError(ValueError):
-    """A filter names a field the pool never gives as a text, number or boolean."""
+    """A filter that cannot match as meant: a field the pool never gives as a text, number or boolean,
+    an empty list of values, or a value that is none of those."""
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
