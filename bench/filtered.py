@@ -11,7 +11,8 @@ would otherwise write around a service without filters, asking for the top ``--c
 the allowed ones, is counted too: how many of its requests come back with fewer than ``--top-k``
 answers, or none.
 
-    python bench/filtered.py --bundle artifacts/default-bundle --limit 300 --out docs/filtered-cpu-2026-12-07.json
+    python bench/filtered.py --bundle artifacts/default-bundle --limit 300 \\
+        --out docs/filtered-cpu-2026-12-07.json
 """
 
 from __future__ import annotations
