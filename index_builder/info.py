@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from coreply.bundle import CALIBRATED, default_fusion, read_manifest, rerank_stage
+from coreply.bundle import CALIBRATED, RESPONSES, default_fusion, read_manifest, read_responses, rerank_stage
+from coreply.filters import MetadataIndex
 
 
 def _size(path: Path) -> int:
@@ -106,6 +107,14 @@ def stages(m: dict[str, Any]) -> list[tuple[str, str]]:
     ]
 
 
+def _filter_fields(root: Path) -> str:
+    """The fields a request's ``filter`` can name in this bundle's pool, each with its count of values."""
+    fields = MetadataIndex(read_responses(root / RESPONSES)[1]).fields
+    if not fields:
+        return "none (the pool file gave no fields besides the text)"
+    return ", ".join(f"{name} ({len(values):,} values)" for name, values in sorted(fields.items()))
+
+
 def describe(path: str | Path) -> list[tuple[str, str]]:
     """(label, value) lines describing the bundle at ``path`` (its hashes verified first)."""
     root = Path(path)
@@ -123,6 +132,7 @@ def describe(path: str | Path) -> list[tuple[str, str]]:
             f"({build['dropped_duplicates_or_blank']:,} repeats or blanks dropped; {added:,} added since; "
             f"{m.get('withdrawn', {}).get('count', 0):,} withdrawn)",
         ),
+        ("filters", _filter_fields(root)),
         (
             "index",
             f"{index['factory']}, {index['metric']}, dim {index['dim']}, search params "

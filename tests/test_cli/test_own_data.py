@@ -318,6 +318,8 @@ def test_own_data_end_to_end_pool_metadata_eval_and_info(capsys, caplog, tmp_pat
         and "fusion" in out
         and "built by   coreply index build" in out
     )
+    intents = len({r["intent"] for r in records.values()})
+    assert f"filters    id (8 values), intent ({intents} values)" in out.splitlines()  # what `filter` names
     assert all(line in out.splitlines() for line in chose.values())  # the build said what info says
 
     result = tmp_path / "eval.json"
