@@ -460,7 +460,8 @@ class TorchExactIndex:
             barred = torch.from_numpy(~allow).to(self.vectors.device)  # [Q, N]
             q = torch.as_tensor(queries).to(self.vectors.device, self.vectors.dtype)
             for block, mask in zip(q.split(SEARCH_BLOCK), barred.split(SEARCH_BLOCK), strict=True):
-                top = torch.topk(self._scores(block).float().masked_fill(mask, -math.inf), k, dim=1)
+                masked = self._scores(block).float().masked_fill_(mask, -math.inf)  # [B, N], a fresh tensor
+                top = torch.topk(masked, k, dim=1)
                 scores.append(top.values.cpu().numpy())
                 ids.append(top.indices.where(top.values > -math.inf, -1).cpu().numpy())
         return np.concatenate(scores), np.concatenate(ids)

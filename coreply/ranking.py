@@ -202,6 +202,7 @@ class Pipeline:
         reach: float | None = None,
     ) -> None:
         self.retrieve, self.texts, self.keys, self.withdrawn = retrieve, texts, keys, withdrawn
+        self._withdrawn_ids = np.fromiter(withdrawn, dtype=np.int64, count=len(withdrawn))  # for masks
         self.score_pairs, self.weight, self.gate, self.reach = score_pairs, weight, gate, reach
         self.select_knowledge, self.reads_knowledge = select_knowledge, reads_knowledge
         self.guard, self.lexical = guard, lexical
@@ -287,7 +288,7 @@ class Pipeline:
         allowed rows that are not withdrawn."""
         if query.allow is None:
             return live
-        return int(query.allow.sum()) - sum(bool(query.allow[i]) for i in self.withdrawn)
+        return int(query.allow.sum() - query.allow[self._withdrawn_ids].sum())
 
     def word_sets(self) -> restatement.WordSets:
         """The pool's distinct words, read on first use (by a guard that counts words)."""

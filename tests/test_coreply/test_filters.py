@@ -85,14 +85,15 @@ def test_a_filtered_request_answers_as_a_pool_of_the_allowed_responses_alone(nam
     metadata = [{"half": i % 2, "tags": ["a"] if i % 3 else ["b"]} for i in range(size)]
     bundle = replace(bundle, metadata=metadata)
     backend = make_backend(bundle, "torch")
-    for where in ({"half": 1}, {"half": 0, "tags": "a"}):
+    for where, withdrawn in (({"half": 1}, ()), ({"half": 0, "tags": "a"}, (0, 1, 4))):  # 4 is allowed
         allowed = bundle.filters.allowed(where)
-        alone = Responder(replace(bundle, withdrawn=frozenset(ids(~allowed))), backend)
-        filtered = Responder(bundle, backend)
+        alone = Responder(replace(bundle, withdrawn=frozenset(ids(~allowed)) | set(withdrawn)), backend)
+        filtered = Responder(replace(bundle, withdrawn=frozenset(withdrawn)), backend)
         for pair in toy_pairs[:6]:
             expected = alone.respond(pair.context, top_k=size, n_candidates=size)
             got = filtered.respond(pair.context, top_k=size, n_candidates=size, filter=where)
             assert [r.id for r in got] == [r.id for r in expected] and all(allowed[r.id] for r in got)
+            assert not set(withdrawn) & {r.id for r in got}
             np.testing.assert_allclose([r.score for r in got], [r.score for r in expected], rtol=1e-5)
 
 
