@@ -431,49 +431,48 @@ class TorchExactIndex:
     def search(self, queries: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
         """queries [Q, D] (array or tensor) -> (scores [Q, k], ids [Q, k]), best first; k is capped at
         ntotal. Queries go in blocks of :data:`SEARCH_BLOCK`, so thousands keep memory flat."""
+        return self._search(queries, min(k, self.ntotal), None)
+
+    def search_within(self, queries: np.ndarray, k: int, allow: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """queries [Q, D] -> each one's best ``k`` among the rows its ``allow`` [Q, N] (bool) sets,
+        (scores, ids) [Q, min(k, most rows allowed)], -1 past a query's last allowed row: the passes
+        :meth:`search` makes, the rows a query may not answer masked in each, as fast for a narrow filter
+        as for a broad one."""
+        return self._search(queries, min(k, int(allow.sum(1).max())), allow)
+
+    def _search(self, queries: Any, k: int, allow: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`search`, or with ``allow`` [Q, N] :meth:`search_within`, for a ``k`` already capped."""
         import torch
 
+        if k == 0:  # an empty pool, or a filter that allows nothing
+            return np.zeros((len(queries), 0), dtype="float32"), np.zeros((len(queries), 0), dtype="int64")
         scores, ids = [], []
         with torch.inference_mode():
             q = torch.as_tensor(queries).to(self.vectors.device, self.vectors.dtype)
-            k = min(k, self.ntotal)
-            for block in q.split(SEARCH_BLOCK):
+            barred = None if allow is None else torch.from_numpy(~allow).to(self.vectors.device)  # [Q, N]
+            for start in range(0, len(q), SEARCH_BLOCK):
+                block = q[start : start + SEARCH_BLOCK]  # [B, D]
+                mask = None if barred is None else barred[start : start + SEARCH_BLOCK]  # [B, N]
                 low = next((c for c in self._passes if c.takes(len(block))), None)
                 if low is not None and low.pays() and 2 * k + 64 < self.ntotal:
-                    values, indices = self._two_pass(block, k, low)
+                    values, indices = self._two_pass(block, k, low, mask)
                 else:
-                    values, indices = torch.topk(self._scores(block), k, dim=1)  # [B, k] x2
+                    values, indices = torch.topk(_barring(self._scores(block), mask), k, dim=1)  # [B, k] x2
+                if mask is not None:
+                    indices = indices.where(values > -math.inf, -1)
                 scores.append(values.float().cpu().numpy())
                 ids.append(indices.cpu().numpy())
         return np.concatenate(scores), np.concatenate(ids)
 
-    def search_within(self, queries: np.ndarray, k: int, allow: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """queries [Q, D] -> each one's best ``k`` among the rows its ``allow`` [Q, N] (bool) sets,
-        (scores, ids) [Q, min(k, most rows allowed)], -1 past a query's last allowed row: one float32
-        pass over the pool for all of them, the rows a query may not answer masked, as fast for a
-        narrow filter as for a broad one."""
-        import torch
-
-        k = min(k, int(allow.sum(1).max()))
-        scores, ids = [], []
-        with torch.inference_mode():
-            barred = torch.from_numpy(~allow).to(self.vectors.device)  # [Q, N]
-            q = torch.as_tensor(queries).to(self.vectors.device, self.vectors.dtype)
-            for block, mask in zip(q.split(SEARCH_BLOCK), barred.split(SEARCH_BLOCK), strict=True):
-                masked = self._scores(block).float().masked_fill_(mask, -math.inf)  # [B, N], a fresh tensor
-                top = torch.topk(masked, k, dim=1)
-                scores.append(top.values.cpu().numpy())
-                ids.append(top.indices.where(top.values > -math.inf, -1).cpu().numpy())
-        return np.concatenate(scores), np.concatenate(ids)
-
-    def _two_pass(self, queries: Any, k: int, low: _LowCopy) -> tuple[Any, Any]:
+    def _two_pass(self, queries: Any, k: int, low: _LowCopy, barred: Any = None) -> tuple[Any, Any]:
         """queries [B, D] -> their exact top k, (scores [B, k], ids [B, k]), in two passes: the 2k + 64
         best by ``low``, the pool in low precision, re-scored in float32. The top k of those is the
         exact one when its last score beats, by more than ``low.first.error``, the best any vector
-        outside them can reach; the queries where it does not are searched again in one float32 pass. Same
-        results as one float32 pass (ties may come in another order, as they may from one top-k to the
-        next), a lone query about twice as fast, a block of 64 about three times, on an AMD EPYC
-        (docs/performance.md section 16)."""
+        outside them can reach, or when they hold every row not ``barred`` [B, N] (bool; -inf scores
+        the barred rows in both passes); the queries where neither holds are searched again in one
+        float32 pass. Same results as one float32 pass (ties may come in another order, as they may from
+        one top-k to the next), a lone query about twice as fast, a block of 64 about three times, on an
+        AMD EPYC (docs/performance.md section 16)."""
         import torch
 
         depth = 2 * k + 64
@@ -481,7 +480,8 @@ class TorchExactIndex:
         unit = (queries / norms).to(low.pool.dtype)  # [B, D]
 
         def coarse(rows: slice) -> tuple[Any, Any]:  # a slice's best: ([B, depth], [B, depth] pool ids)
-            top = torch.topk(unit @ low.pool[rows].T, min(depth, rows.stop - rows.start), dim=1)
+            part = _barring(unit @ low.pool[rows].T, None if barred is None else barred[:, rows])  # [B, n]
+            top = torch.topk(part, min(depth, rows.stop - rows.start), dim=1)
             return top.values, top.indices + rows.start
 
         # On the helper threads, where torch runs on one OpenMP thread (coreply.device.one_openmp_thread):
@@ -494,13 +494,18 @@ class TorchExactIndex:
         reach = (best.values[:, -1].float() + low.first.error) * norms[:, 0] * self._scale  # [B]
         pool = self.vectors.numpy()
         values, indices = torch.empty(len(queries), k), torch.empty(len(queries), k, dtype=torch.long)
+        outside = best.values.isneginf()  # [B, depth]: barred rows, where fewer rows than depth are not
         for row, query in enumerate(queries.numpy()):
-            top = torch.topk(torch.from_numpy(pool[chosen[row].numpy()] @ query), k)  # [k] x2
+            exact = torch.from_numpy(pool[chosen[row].numpy()] @ query).masked_fill_(outside[row], -math.inf)
+            top = torch.topk(exact, k)  # [k] x2
             values[row], indices[row] = top.values, chosen[row, top.indices]
-        uncertain = ~(values[:, -1] > reach)  # [B]: the margin too small (or NaN)
+        # [B]: the margin too small (or NaN), unless the candidates hold every row the query may answer
+        uncertain = ~((values[:, -1] > reach) | outside[:, -1])
         low.queries, low.again = low.queries + len(queries), low.again + int(uncertain.sum())
         if uncertain.any():  # those queries over the whole pool in float32, together
-            values[uncertain], indices[uncertain] = torch.topk(self._scores(queries[uncertain]), k, dim=1)
+            again = self._scores(queries[uncertain])  # [U, N]
+            again = _barring(again, None if barred is None else barred[uncertain])
+            values[uncertain], indices[uncertain] = torch.topk(again, k, dim=1)
         return values, indices
 
     def _scores(self, queries: Any) -> Any:
@@ -535,12 +540,18 @@ class TorchExactIndex:
         return [slice(a, b) for a, b in pairwise(cuts)]
 
 
+def _barring(scores: Any, barred: Any) -> Any:
+    """scores [B, n], -inf written in place where ``barred`` [B, n] (bool) is set (every caller's scores
+    are a fresh tensor); unchanged where ``barred`` is None."""
+    return scores if barred is None else scores.masked_fill_(barred, -math.inf)
+
+
 def search_within(
     index: Any, queries: np.ndarray, k: int, allow: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
     """queries [Q, D] -> each one's best ``k`` among the rows its ``allow`` [Q, N] (bool) sets, (scores,
     ids) [Q, min(k, most rows allowed)], -1 past a query's last allowed row; exact over the vectors the
-    index stores. An exact index masks one pass over the pool (:meth:`TorchExactIndex.search_within`);
+    index stores. An exact index masks the passes of its search (:meth:`TorchExactIndex.search_within`);
     an approximate FAISS index (read back with :func:`_readable`) scores each query's allowed rows'
     vectors, which costs in proportion to how many its filter allows."""
     if isinstance(index, TorchExactIndex):

@@ -786,6 +786,47 @@ def test_two_pass_search_is_exact_and_searches_again_when_the_first_pass_cannot_
     assert TorchExactIndex(torch.ones(600, 16), passes=())._passes == []
 
 
+def best_within(vectors: np.ndarray, queries: np.ndarray, k: int, allow: np.ndarray) -> np.ndarray:
+    """The ids [Q, k] of each query's best k allowed rows by brute force, -1 past its last one."""
+    scores = np.where(allow, queries @ vectors.T, -np.inf)  # [Q, N]
+    best = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+    return np.where(np.take_along_axis(scores, best, 1) > -np.inf, best, -1)
+
+
+@pytest.mark.parametrize("first", [FP16_PASS, BF16_PASS], ids=["fp16", "bf16"])
+def test_two_pass_search_within_a_mask_is_exact_for_every_share_allowed(monkeypatch, first):
+    rng = np.random.default_rng(2)
+    vectors, queries = rng.standard_normal((500, 16)), rng.standard_normal((4, 16)).astype("float32")
+    allow = np.zeros((4, 500), dtype=bool)
+    for row, share in enumerate(
+        (0, 3, 50, 500)
+    ):  # none, fewer than k, fewer than the 2k + 64 candidates, all
+        allow[row, rng.choice(500, share, replace=False)] = True
+    searcher = TorchExactIndex(torch.from_numpy(vectors).float(), passes=[first])
+    full_passes: list[int] = []
+    scores = searcher._scores
+    monkeypatch.setattr(searcher, "_scores", lambda block: full_passes.append(len(block)) or scores(block))
+    want = best_within(vectors, queries, 10, allow)
+    assert (want == -1).sum() == 10 + 7  # the first query gets none, the second 3 of its 10
+    got_scores, got_ids = searcher.search_within(queries, 10, allow)
+    np.testing.assert_array_equal(got_ids, want)
+    np.testing.assert_array_equal(np.isinf(got_scores), want == -1)
+    for row, width in enumerate((0, 3, 10, 10)):  # alone, k is what the query allows, at most 10
+        lone = searcher.search_within(queries[row : row + 1], 10, allow[row : row + 1])[1]
+        np.testing.assert_array_equal(lone, want[row : row + 1, :width])
+    assert full_passes == [] and searcher._passes[0].queries == 4 + 3  # all certain from the first pass
+    # Copies a hair apart, half of them allowed: the first pass cannot rank them, float32 searches again
+    close = rng.standard_normal(16) + 1e-4 * rng.standard_normal((500, 16))
+    lone, half = close[:1].astype("float32") * 3, rng.random((1, 500)) < 0.5
+    searcher = TorchExactIndex(torch.from_numpy(close).float(), passes=[first])
+    scores = searcher._scores
+    monkeypatch.setattr(searcher, "_scores", lambda block: full_passes.append(len(block)) or scores(block))
+    np.testing.assert_array_equal(
+        searcher.search_within(lone, 10, half)[1], best_within(close, lone, 10, half)
+    )
+    assert full_passes == [1]
+
+
 @pytest.mark.parametrize(
     ("amx", "bf16", "want", "served"),
     [
