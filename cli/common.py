@@ -4,6 +4,7 @@ argparse types that check a value before the slow work, and the data and model f
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -139,6 +140,20 @@ def service_url(text: str) -> str:
     if not text.startswith(("http://", "https://")):
         raise argparse.ArgumentTypeError(f"{text!r} is not an http(s) address, e.g. http://127.0.0.1:8000")
     return text
+
+
+def filter_json(text: str) -> dict:
+    """An argparse type: a metadata filter as a JSON object (``coreply chat --filter``); its fields and
+    values are checked against the pool where it is used."""
+    try:
+        where = json.loads(text)
+    except json.JSONDecodeError:
+        where = None
+    if not isinstance(where, dict) or not where:
+        raise argparse.ArgumentTypeError(
+            f'{text!r} is not a JSON object of fields, e.g. \'{{"intent": "refund"}}\''
+        )
+    return where
 
 
 def guard_quantile(text: str) -> float | None:

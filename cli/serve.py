@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-from cli.common import DEFAULTS_SHOWN, CliError, at_least, knowledge_file, service_url
+from cli.common import DEFAULTS_SHOWN, CliError, at_least, filter_json, knowledge_file, service_url
 
 
 def serve_parser(sub) -> None:
@@ -95,9 +95,17 @@ def chat_parser(sub) -> None:
         help="a persona or facts (one sentence per line) sent with every turn, for a bundle whose reranker "
         "reads knowledge (default: the bundle's own)",
     )
+    p.add_argument(
+        "--filter",
+        type=filter_json,
+        default=None,
+        metavar="JSON",
+        help="""answer only with responses whose metadata matches, as /respond's "filter": '{"intent": """
+        """["refund", "billing"], "locale": "en"}' (default: the whole pool)""",
+    )
 
 
-def _remote(url: str, api_key: str | None, knowledge: list[str] | None):
+def _remote(url: str, api_key: str | None, knowledge: list[str] | None, where: dict | None):
     """``answer(context, said)`` against a running service's POST /respond."""
     import urllib.error
     import urllib.request
@@ -106,6 +114,8 @@ def _remote(url: str, api_key: str | None, knowledge: list[str] | None):
         body = {"context": context[-10:], "n_candidates": max(n, show), "top_k": show, "exclude": said[-50:]}
         if knowledge:
             body["knowledge"] = knowledge
+        if where:
+            body["filter"] = where
         headers = {"Content-Type": "application/json"} | ({"X-API-Key": api_key} if api_key else {})
         request = urllib.request.Request(url.rstrip("/") + "/respond", json.dumps(body).encode(), headers)
         try:
@@ -122,20 +132,31 @@ def _remote(url: str, api_key: str | None, knowledge: list[str] | None):
     return answer
 
 
-def _local(path: Path, knowledge: list[str] | None):
+def _local(path: Path, knowledge: list[str] | None, where: dict | None):
     """``answer(context, said)`` in-process through :class:`coreply.Responder`."""
     from coreply.bundle import read_manifest
 
     read_manifest(path, verify=False)  # a bundle, said at once; loading it verifies every hash
+    from coreply.filters import FilterError
     from coreply.responder import Responder
 
     bot = Responder.load(path)
     if knowledge and not bot.pipeline.reads_knowledge:
         raise CliError(f"--knowledge: the reranker of {path} does not read knowledge")
+    if where:
+        try:
+            bot.bundle.filters.allowed(where)  # a field the pool lacks, said before the first turn
+        except FilterError as exc:
+            raise CliError(f"--filter: {exc}") from None
 
     def answer(context: list[str], said: list[int], n: int, show: int) -> list[dict]:
         found = bot.respond(
-            context[-10:], top_k=show, n_candidates=max(n, show), exclude_ids=said[-50:], knowledge=knowledge
+            context[-10:],
+            top_k=show,
+            n_candidates=max(n, show),
+            exclude_ids=said[-50:],
+            knowledge=knowledge,
+            filter=where,
         )
         return [{"text": r.text, "id": r.id, "score": r.score} for r in found]
 
@@ -145,7 +166,7 @@ def _local(path: Path, knowledge: list[str] | None):
 def cmd_chat(args: argparse.Namespace) -> int:
     knowledge = knowledge_file(args.knowledge) if args.knowledge else None
     if args.url:
-        answer = _remote(args.url, args.api_key, knowledge)
+        answer = _remote(args.url, args.api_key, knowledge, args.filter)
     else:
         from service.settings import DEFAULT_BUNDLE
 
@@ -154,7 +175,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             from index_builder.default import ensure_default_bundle
 
             ensure_default_bundle(path)
-        answer = _local(path, knowledge)
+        answer = _local(path, knowledge, args.filter)
     print("coreply chat: type a message; /reset starts over, /quit (or Ctrl-D) leaves", flush=True)
     context: list[str] = []
     said: list[int] = []
@@ -174,7 +195,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
         context.append(line)
         found = answer(context, said, args.candidates, args.show)
         if not found:
-            print("bot> (no answer: every candidate was excluded)")
+            print(
+                "bot> (no answer: every candidate was excluded"
+                + (", or --filter allows none)" if args.filter else ")")
+            )
             continue
         for rank, reply in enumerate(found):
             prefix = "bot> " if rank == 0 else f"  {rank + 1}. "

@@ -72,6 +72,22 @@ def test_coreply_chat_in_the_terminal(server, tiny_bundle, where):
     assert texts[1] != answer  # the second time the bot does not repeat itself
 
 
+def test_coreply_chat_sends_its_filter_to_the_service(server):
+    """`coreply chat --url --filter`: the service reads the filter (this pool has no fields, so it names
+    the one asked for in a 422), and chat says so in one line instead of a traceback."""
+    done = subprocess.run(
+        [sys.executable, "-m", "cli", "chat", "--url", server, "--filter", '{"intent": "pet"}'],
+        input="hi\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert (
+        "HTTP 422" in done.stderr and "filter.intent: no response in this pool has this field" in done.stderr
+    )
+
+
 def test_errors_over_http(server):
     r = httpx.post(server + "/respond", json={"context": ["x"] * 7})
     assert r.status_code == 422 and r.json()["error"].startswith("context:")

@@ -1,7 +1,9 @@
 """A team's first day with its own data: every trap a new user met (issue 15) is refused with one line that
 names the flag or file, or handled and said. In-process (``cli.main.main``) so the suite stays fast."""
 
+import io
 import json
+import re
 
 import pytest
 import torch
@@ -281,9 +283,11 @@ def test_a_run_whose_data_capped_its_recipe_resumes_with_the_same_command_line(
     assert recorded["asked"] == {"num_negatives": 32, "batch_size": 2, "grad_accum": 100}
 
 
-def test_own_data_end_to_end_pool_metadata_eval_and_info(capsys, caplog, tmp_path, tiny_core, own_data):
+def test_own_data_end_to_end_pool_metadata_eval_and_info(
+    capsys, caplog, monkeypatch, tmp_path, tiny_core, own_data
+):
     """Build a bundle from the team's pool (ids and intents kept), calibrate on its pairs, evaluate on its
-    own test file against its own pool (no --split), describe the bundle."""
+    own test file against its own pool (no --split), describe the bundle, talk to it within a filter."""
     pairs, pool = own_data
     bundle = tmp_path / "bundle"
     code, out, err = run(
@@ -321,6 +325,24 @@ def test_own_data_end_to_end_pool_metadata_eval_and_info(capsys, caplog, tmp_pat
     intents = len({r["intent"] for r in records.values()})
     assert f"filters    id (8 values), intent ({intents} values)" in out.splitlines()  # what `filter` names
     assert all(line in out.splitlines() for line in chose.values())  # the build said what info says
+
+    # `coreply chat --filter`: every reply shown has the intent asked for; a field the pool lacks is refused
+    two = sorted({r["intent"] for r in records.values()})[:2]
+    allowed = sum(r["intent"] in two for r in records.values())
+    monkeypatch.setattr("sys.stdin", io.StringIO("do you have a pet ?\n/quit\n"))
+    where = json.dumps({"intent": two})
+    code, out, err = run(capsys, "chat", "--bundle", str(bundle), "--show", "8", "--filter", where)
+    lines = out.splitlines()[
+        1:-1
+    ]  # the greeting and the last prompt out: "you> bot> text  [score]", "  2. ..."
+    shown = [re.sub(r"^(you> )?(bot> |  \d+\. )", "", line).rsplit("  [", 1)[0] for line in lines]
+    assert code == 0 and len(shown) == allowed < 8 and {records[t]["intent"] for t in shown} == set(two)
+    code, _, err = run(capsys, "chat", "--bundle", str(bundle), "--filter", '{"intnet": "pet"}')
+    assert (
+        code != 0 and "--filter: intnet: no response in this pool has this field (fields: id, intent)" in err
+    )
+    code, _, err = run(capsys, "chat", "--bundle", str(bundle), "--filter", '["pet"]')
+    assert code != 0 and "--filter: '[\"pet\"]' is not a JSON object of fields" in err
 
     result = tmp_path / "eval.json"
     caplog.set_level("WARNING")
