@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from conftest import toy_pool
 
-from coreply.bundle import load_bundle, make_backend, search_on
+import coreply.bundle
+from coreply.bundle import load_bundle, make_backend, search_on, search_within
 from coreply.filters import FilterError, MetadataIndex
 from coreply.prior import Prior
 from coreply.ranking import Query
@@ -115,3 +116,50 @@ def test_filtered_and_whole_pool_queries_share_a_batch_as_each_would_run_alone(t
         np.testing.assert_allclose(got.retrieval, alone.retrieval, rtol=1e-5)
     assert set(together[0].ids.tolist()) <= {1, 4, 5} and len(together[1].ids) == 5
     assert len(together[2].ids) == 0
+
+
+def within_by_brute_force(vectors: np.ndarray, queries: np.ndarray, k: int, allow: np.ndarray) -> np.ndarray:
+    """Each query's best k allowed ids [Q, k], -1 past its last."""
+    scores = np.where(allow, queries @ vectors.T, -np.inf)  # [Q, N]
+    best = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+    return np.where(np.take_along_axis(scores, best, 1) > -np.inf, best, -1)
+
+
+@pytest.mark.parametrize("factory", ["IVF16,Flat", "HNSW16"])
+def test_a_broad_filter_over_an_approximate_index_restricts_its_own_search(monkeypatch, factory):
+    """Past EXACT_WITHIN allowed rows an IVF or HNSW index searches within the filter itself, with the
+    settings it searches with unfiltered (searching every list, or a wide beam, it finds what brute force
+    finds); a query it leaves short is searched exactly, and a narrow filter is searched exactly."""
+    import faiss
+
+    rng = np.random.default_rng(0)
+    vectors = rng.standard_normal((2000, 16)).astype("float32")
+    queries = rng.standard_normal((3, 16)).astype("float32")
+    index = faiss.index_factory(16, factory, faiss.METRIC_INNER_PRODUCT)
+    index.train(vectors)
+    index.add(vectors)
+    if factory.startswith("IVF"):
+        index.make_direct_map()
+    allow = rng.random((3, 2000)) < [[0.5], [0.2], [0.002]]
+    few = int(allow[2].sum())  # fewer than k, searched exactly
+    searched: list[int] = []  # the queries the index searched itself
+    search = index.search
+    monkeypatch.setattr(
+        index, "search", lambda q, k, params: searched.append(len(q)) or search(q, k, params=params)
+    )
+    monkeypatch.setattr(coreply.bundle, "EXACT_WITHIN", 100)
+
+    faiss.ParameterSpace().set_index_parameters(
+        index, "nprobe=16" if factory.startswith("IVF") else "efSearch=400"
+    )
+    want = within_by_brute_force(vectors, queries, 10, allow)
+    scores, got = search_within(index, queries, 10, allow)
+    np.testing.assert_array_equal(got, want)
+    assert searched == [1, 1] and 0 < few < 10 and (got[2] == -1).sum() == 10 - few
+    assert np.isinf(scores[2, few:]).all()
+
+    narrow = faiss.ParameterSpace()  # one list, or a beam of one: a 20 % filter comes back short from it
+    narrow.set_index_parameters(index, "nprobe=1" if factory.startswith("IVF") else "efSearch=1")
+    got = search_within(index, queries, 200, allow)[1]
+    assert (got[:2] >= 0).all() and all(allow[i, got[i, got[i] >= 0]].all() for i in range(3))
+    np.testing.assert_array_equal(got[:2, :10], want[:2])  # each short one searched again, exactly

@@ -630,6 +630,16 @@ def test_filtered_times_each_share_of_the_pool_and_counts_what_filtering_after_l
     assert rows[0]["short of top_k 3 %"] == 100.0 and rows[-1]["short of top_k 3 %"] == 0.0
     assert rows[-1]["filtered after: short %"] == 0.0 and result["requests"] == 4
     assert all(row["p50 ms"] > 0 and row["search p50 ms"] > 0 for row in rows)
+    # over an IVF index of the bundle's vectors, probed in full: past 4 allowed the index searches within
+    # the filter, and finds the top answers the exact search within it finds
+    bench("filtered.py", "--bundle", str(tiny_bundle), "--split", "valid", "--limit", "4", "--threads", "1",
+          "--factory", "IVF2,Flat", "--search-params", "nprobe=2", "--exact-within", "4",
+          "--out", str(out))  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["index"] == "IVF2,Flat nprobe=2" and result["exact_within"] == 4
+    by_index = [row for row in result["filtered"] if row["searched by"] == "the index, within the filter"]
+    assert [row["responses allowed"] for row in by_index] == [10, 7, size]
+    assert all(row["top answer not the exact search's %"] == 0.0 for row in by_index)
 
 
 def test_own_turns_scores_the_reply_against_the_contexts_own_turns(tmp_path, tiny_core):
