@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -88,6 +89,14 @@ def reseal(root: Path, sealing: Sealing, edit: Callable[[dict], None] = lambda m
 
 def toy_pool() -> list[str]:
     return [answer for _, answer in TOPICS.values()] + POOL_EXTRA
+
+
+def best_within(vectors: np.ndarray, queries: np.ndarray, k: int, allow: np.ndarray) -> np.ndarray:
+    """Each query's best k allowed ids [Q, k] by brute force (vectors [N, D], queries [Q, D], allow [Q, N]
+    bool), -1 past its last allowed row."""
+    scores = np.where(allow, queries @ vectors.T, -np.inf)  # [Q, N]
+    best = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+    return np.where(np.take_along_axis(scores, best, 1) > -np.inf, best, -1)
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from conftest import toy_pool
+from conftest import best_within, toy_pool
 
 import coreply.bundle
 from coreply.bundle import load_bundle, make_backend, search_on, search_within
@@ -118,13 +118,6 @@ def test_filtered_and_whole_pool_queries_share_a_batch_as_each_would_run_alone(t
     assert len(together[2].ids) == 0
 
 
-def within_by_brute_force(vectors: np.ndarray, queries: np.ndarray, k: int, allow: np.ndarray) -> np.ndarray:
-    """Each query's best k allowed ids [Q, k], -1 past its last."""
-    scores = np.where(allow, queries @ vectors.T, -np.inf)  # [Q, N]
-    best = np.argsort(-scores, axis=1, kind="stable")[:, :k]
-    return np.where(np.take_along_axis(scores, best, 1) > -np.inf, best, -1)
-
-
 @pytest.mark.parametrize("factory", ["IVF16,Flat", "HNSW16"])
 def test_a_broad_filter_over_an_approximate_index_restricts_its_own_search(monkeypatch, factory):
     """Past EXACT_WITHIN allowed rows an IVF or HNSW index searches within the filter itself, with the
@@ -152,7 +145,7 @@ def test_a_broad_filter_over_an_approximate_index_restricts_its_own_search(monke
     faiss.ParameterSpace().set_index_parameters(
         index, "nprobe=16" if factory.startswith("IVF") else "efSearch=400"
     )
-    want = within_by_brute_force(vectors, queries, 10, allow)
+    want = best_within(vectors, queries, 10, allow)
     scores, got = search_within(index, queries, 10, allow)
     np.testing.assert_array_equal(got, want)
     assert searched == [1, 1] and 0 < few < 10 and (got[2] == -1).sum() == 10 - few

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import reseal, toy_pool
+from conftest import best_within, reseal, toy_pool
 from tiny import WORDS
 
 from coreply.artifacts import Busy, Sealing, content_hash, exclusive, hash_tree, write_json_atomic
@@ -784,13 +784,6 @@ def test_two_pass_search_is_exact_and_searches_again_when_the_first_pass_cannot_
     searcher.search(lone, 10)
     assert low.queries == 258 and full_passes[-1] == 1
     assert TorchExactIndex(torch.ones(600, 16), passes=())._passes == []
-
-
-def best_within(vectors: np.ndarray, queries: np.ndarray, k: int, allow: np.ndarray) -> np.ndarray:
-    """The ids [Q, k] of each query's best k allowed rows by brute force, -1 past its last one."""
-    scores = np.where(allow, queries @ vectors.T, -np.inf)  # [Q, N]
-    best = np.argsort(-scores, axis=1, kind="stable")[:, :k]
-    return np.where(np.take_along_axis(scores, best, 1) > -np.inf, best, -1)
 
 
 @pytest.mark.parametrize("first", [FP16_PASS, BF16_PASS], ids=["fp16", "bf16"])
