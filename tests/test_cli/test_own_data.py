@@ -332,9 +332,8 @@ def test_own_data_end_to_end_pool_metadata_eval_and_info(
     monkeypatch.setattr("sys.stdin", io.StringIO("do you have a pet ?\n/quit\n"))
     where = json.dumps({"intent": two})
     code, out, err = run(capsys, "chat", "--bundle", str(bundle), "--show", "8", "--filter", where)
-    lines = out.splitlines()[
-        1:-1
-    ]  # the greeting and the last prompt out: "you> bot> text  [score]", "  2. ..."
+    # "you> bot> text  [score]", "  2. text  [score]", ..., without the greeting and the last prompt
+    lines = out.splitlines()[1:-1]
     shown = [re.sub(r"^(you> )?(bot> |  \d+\. )", "", line).rsplit("  [", 1)[0] for line in lines]
     assert code == 0 and len(shown) == allowed < 8 and {records[t]["intent"] for t in shown} == set(two)
     code, _, err = run(capsys, "chat", "--bundle", str(bundle), "--filter", '{"intnet": "pet"}')

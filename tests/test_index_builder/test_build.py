@@ -791,9 +791,8 @@ def test_two_pass_search_within_a_mask_is_exact_for_every_share_allowed(monkeypa
     rng = np.random.default_rng(2)
     vectors, queries = rng.standard_normal((500, 16)), rng.standard_normal((4, 16)).astype("float32")
     allow = np.zeros((4, 500), dtype=bool)
-    for row, share in enumerate(
-        (0, 3, 50, 500)
-    ):  # none, fewer than k, fewer than the 2k + 64 candidates, all
+    # none, fewer than k, fewer than the 2k + 64 candidates, all
+    for row, share in enumerate((0, 3, 50, 500)):
         allow[row, rng.choice(500, share, replace=False)] = True
     searcher = TorchExactIndex(torch.from_numpy(vectors).float(), passes=[first])
     full_passes: list[int] = []
