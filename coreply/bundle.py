@@ -570,15 +570,16 @@ def search_within(
     scores = np.full((len(queries), k), -np.inf, dtype="float32")
     ids = np.full((len(queries), k), -1, dtype="int64")
     for i, row in enumerate(allow):
-        rows = np.flatnonzero(row)  # [m]
-        want = min(k, len(rows))
-        restricted = _restricted(index, row) if len(rows) > EXACT_WITHIN else None
+        count = int(row.sum())
+        want = min(k, count)
+        restricted = _restricted(index, row) if count > EXACT_WITHIN else None
         if restricted is not None:
             got, at = index.search(queries[i : i + 1], want, params=restricted[0])  # [1, want] x2
             if (at >= 0).all():
                 scores[i, :want], ids[i, :want] = got[0], at[0]
                 continue
-        got = index.reconstruct_batch(rows) @ queries[i]  # [m]
+        rows = np.flatnonzero(row)  # [count]
+        got = index.reconstruct_batch(rows) @ queries[i]  # [count]
         best = np.argsort(-got, kind="stable")[:k]  # [want]
         scores[i, :want], ids[i, :want] = got[best], rows[best]
     return scores, ids
@@ -590,14 +591,14 @@ def _restricted(index: Any, allowed: np.ndarray) -> tuple[Any, ...] | None:
     used), or None for an index other than IVF or HNSW."""
     import faiss
 
+    if not isinstance(index, (faiss.IndexIVF, faiss.IndexHNSW)):
+        return None
     bits = np.packbits(allowed, bitorder="little")  # [ceil(N / 8)]: row i is bit i % 8 of byte i // 8
     selector = faiss.IDSelectorBitmap(len(bits), faiss.swig_ptr(bits))  # its size in bytes
     if isinstance(index, faiss.IndexIVF):
         params = faiss.SearchParametersIVF(sel=selector, nprobe=index.nprobe, max_codes=index.max_codes)
-    elif isinstance(index, faiss.IndexHNSW):
-        params = faiss.SearchParametersHNSW(sel=selector, efSearch=index.hnsw.efSearch)
     else:
-        return None
+        params = faiss.SearchParametersHNSW(sel=selector, efSearch=index.hnsw.efSearch)
     return params, selector, bits
 
 
