@@ -101,7 +101,7 @@ def chat_parser(sub) -> None:
         default=None,
         metavar="JSON",
         help="""answer only with responses whose metadata matches, as /respond's "filter": '{"intent": """
-        """["refund", "billing"], "locale": "en"}' (default: the whole pool)""",
+        """["refund", "billing"], "locale": "en", "price": {"$lt": 20}}' (default: the whole pool)""",
     )
 
 

@@ -1,11 +1,20 @@
 """Metadata filters: which pool responses a request may be answered with, chosen by the fields the pool
-file gave them (``{"text": ..., "intent": "refund", "locale": "en", "tags": ["billing", "vip"]}``).
+file gave them (``{"text": ..., "intent": "refund", "tags": ["billing", "vip"], "price": 12}``).
 
-A filter maps fields to a value or a list of values: ``{"locale": "en", "intent": ["refund", "billing"]}``
-allows the responses whose ``locale`` is ``"en"`` and whose ``intent`` is one of the two. A field that
-holds a list in the pool file matches when one of its items does (tags). Values compare as JSON does:
-``1`` and ``1.0`` are one number, ``true`` is not ``1``, ``"1"`` is text. Objects and nulls in the pool
-file are kept and returned, but never matched.
+A filter maps fields to conditions, and a response must meet every one. A condition is a value (the field
+equals it), a list of values (it equals one of them), or an object of operators, as vector databases and
+MongoDB write them, all of which must hold:
+
+- ``$eq`` / ``$ne``: equal / not equal to a value; ``$in`` / ``$nin``: one of / none of a list of values;
+- ``$gt``, ``$gte``, ``$lt``, ``$lte``: a number above / at least / below / at most a number;
+- ``$exists``: ``true``, the field holds a text, number or boolean; ``false``, it does not.
+
+``{"locale": "en", "intent": {"$ne": "refund"}, "price": {"$gte": 10, "$lt": 20}}``. A field that holds a
+list in the pool file (tags) matches when one of its items does, each operator on its own; the negations
+are the complements of their positive forms, so ``$ne`` and ``$nin`` also allow the responses that lack
+the field (``$exists`` tells them apart). Values compare as JSON does: ``1`` and ``1.0`` are one number,
+``true`` is not ``1``, ``"1"`` is text; the ranges compare numbers as float64. Objects and nulls in the
+pool file are kept and returned, but never matched.
 
 The index is built once per bundle (:attr:`coreply.bundle.Bundle.filters`); a request's filter becomes
 a boolean mask over pool ids (:class:`coreply.ranking.Query` ``allow``), which the retriever searches
@@ -14,6 +23,7 @@ within, so a filter never leaves an answer short while allowed responses remain.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -21,12 +31,21 @@ from typing import Any
 import numpy as np
 
 Scalar = str | int | float | bool
-Filter = Mapping[str, Scalar | Sequence[Scalar]]
+Condition = Scalar | Sequence[Scalar] | Mapping[str, Scalar | Sequence[Scalar]]
+Filter = Mapping[str, Condition]
+
+RANGES = {"$gt": ("right", False), "$gte": ("left", False), "$lt": ("left", True), "$lte": ("right", True)}
+"""A range operator -> (the side ``np.searchsorted`` puts its bound on, whether it keeps what lies below)."""
+LISTED = {"$eq": "$in", "$ne": "$nin"}
+"""An operator on one value -> its form on a list of values."""
+OPERATORS = ("$eq", "$ne", "$in", "$nin", *RANGES, "$exists")
 
 
 class FilterError(ValueError):
     """A filter that cannot match as meant: a field the pool never gives as a text, number or boolean,
-    an empty list of values, or a value that is none of those."""
+    an unknown operator, an operand of the wrong kind (an empty list, a range bound that is not a finite
+    number, a range over a field that holds no number), or a value that is no text, number or boolean.
+    ``field`` names where: the field, or ``field.$op`` for an operator."""
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
@@ -44,41 +63,129 @@ def _term(value: Any) -> tuple[str, Scalar] | None:
     return None
 
 
+def _number(value: int | float) -> float:
+    """A JSON number as float64; an integer too large for one is the infinity on its side."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
+def _is_list(value: Any) -> bool:
+    return isinstance(value, list | tuple)
+
+
 class MetadataIndex:
-    """Field -> value -> the ids [n] whose metadata holds that value (or holds it in a list)."""
+    """Field -> value -> the ids [n] whose metadata holds that value (or holds it in a list); per field
+    also the ids that hold any value (``$exists``) and its numbers sorted with their ids (the ranges)."""
 
     def __init__(self, metadata: Sequence[Mapping[str, Any]]) -> None:
         postings: dict[str, dict[tuple[str, Scalar], list[int]]] = defaultdict(lambda: defaultdict(list))
+        present: dict[str, list[int]] = defaultdict(list)
+        numbers: dict[str, tuple[list[float], list[int]]] = defaultdict(lambda: ([], []))
         for i, record in enumerate(metadata):
             for name, value in record.items():
+                held = False
                 for item in value if isinstance(value, list) else (value,):
-                    if (term := _term(item)) is not None:
-                        postings[name][term].append(i)
+                    if (term := _term(item)) is None:
+                        continue
+                    postings[name][term].append(i)
+                    held = True
+                    if term[0] == "number":
+                        numbers[name][0].append(_number(item))
+                        numbers[name][1].append(i)
+                if held:
+                    present[name].append(i)
         self.size = len(metadata)
         self.fields = {
             name: {term: np.asarray(ids, dtype=np.int64) for term, ids in values.items()}
             for name, values in postings.items()
         }
+        self.present = {name: np.asarray(ids, dtype=np.int64) for name, ids in present.items()}
+        # field -> (its numbers [m] in ascending order, the id holding each [m])
+        self.numbers: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        for name, (values, rows) in numbers.items():
+            order = np.argsort(values, kind="stable")
+            self.numbers[name] = (np.asarray(values)[order], np.asarray(rows, dtype=np.int64)[order])
+
+    def describe(self) -> str:
+        """The fields a filter can name, each with its count of values and, where it holds numbers, their
+        range: ``intent (12 values), price (40 values, numbers 0.5 to 99)``."""
+        if not self.fields:
+            return "none (the pool file gave no fields besides the text)"
+        said = []
+        for name, values in sorted(self.fields.items()):
+            numbers = self.numbers.get(name)
+            span = "" if numbers is None else f", numbers {numbers[0][0]:g} to {numbers[0][-1]:g}"
+            said.append(f"{name} ({len(values):,} value{'s' * (len(values) != 1)}{span})")
+        return ", ".join(said)
 
     def allowed(self, where: Filter) -> np.ndarray:
-        """[N] bool: the responses that match every field of ``where``. A field no response holds as a
-        text, number or boolean raises :class:`FilterError` (most often a misspelt name), as does a field
-        with an empty list of values; a value no response holds just matches nothing."""
+        """[N] bool: the responses that meet every condition of ``where``. A field no response holds as a
+        text, number or boolean raises :class:`FilterError` (most often a misspelt name), as does a
+        condition that cannot match as meant; a value no response holds just matches nothing."""
         mask = np.ones(self.size, dtype=bool)
-        for name, wanted in where.items():
-            values = self.fields.get(name)
-            if values is None:
+        for name, condition in where.items():
+            if name not in self.fields:
                 known = ", ".join(sorted(self.fields)[:20]) or "none"
                 raise FilterError(name, f"no response in this pool has this field (fields: {known})")
-            items = wanted if isinstance(wanted, list | tuple) else (wanted,)
-            if not items:
-                raise FilterError(name, "an empty list of values matches nothing; leave the field out")
-            field_mask = np.zeros(self.size, dtype=bool)
-            for item in items:
-                term = _term(item)
-                if term is None:
-                    raise FilterError(name, f"{item!r} is not a text, number or boolean")
-                if (ids := values.get(term)) is not None:
-                    field_mask[ids] = True
-            mask &= field_mask
+            if isinstance(condition, Mapping):
+                if not condition:
+                    raise FilterError(name, f"an object of operators names none ({', '.join(OPERATORS)})")
+                for op, operand in condition.items():
+                    mask &= self._operator(name, op, operand)
+            elif _is_list(condition):
+                if not condition:
+                    raise FilterError(name, "an empty list of values matches nothing; leave the field out")
+                mask &= self._any_of(name, name, condition)
+            else:
+                mask &= self._any_of(name, name, (condition,))
         return mask
+
+    def _operator(self, name: str, op: str, operand: Any) -> np.ndarray:
+        """[N] bool: the responses whose field ``name`` meets ``{op: operand}``."""
+        where = f"{name}.{op}"
+        if op in ("$eq", "$ne"):
+            if _is_list(operand):
+                raise FilterError(where, f"takes one value; {LISTED[op]} takes a list")
+            match = self._any_of(name, where, (operand,))
+            return match if op == "$eq" else ~match
+        if op in ("$in", "$nin"):
+            if not _is_list(operand) or not operand:
+                raise FilterError(where, "takes a list of 1 or more values")
+            match = self._any_of(name, where, operand)
+            return match if op == "$in" else ~match
+        if op in RANGES:
+            return self._range(name, where, op, operand)
+        if op == "$exists":
+            if not isinstance(operand, bool):
+                raise FilterError(where, f"takes true or false, not {operand!r}")
+            match = np.zeros(self.size, dtype=bool)
+            match[self.present[name]] = True
+            return match if operand else ~match
+        raise FilterError(where, f"not an operator (operators: {', '.join(OPERATORS)})")
+
+    def _any_of(self, name: str, where: str, items: Sequence[Any]) -> np.ndarray:
+        """[N] bool: the responses whose field ``name`` holds one of ``items``."""
+        values = self.fields[name]
+        match = np.zeros(self.size, dtype=bool)
+        for item in items:
+            term = _term(item)
+            if term is None:
+                raise FilterError(where, f"{item!r} is not a text, number or boolean")
+            if (ids := values.get(term)) is not None:
+                match[ids] = True
+        return match
+
+    def _range(self, name: str, where: str, op: str, bound: Any) -> np.ndarray:
+        """[N] bool: the responses whose field ``name`` holds a number on ``op``'s side of ``bound``."""
+        if isinstance(bound, bool) or not isinstance(bound, int | float) or not math.isfinite(_number(bound)):
+            raise FilterError(where, f"takes a finite number, not {bound!r}")
+        if name not in self.numbers:
+            raise FilterError(where, "compares numbers, and no response holds a number in this field")
+        values, ids = self.numbers[name]
+        side, below = RANGES[op]
+        cut = int(np.searchsorted(values, _number(bound), side=side))
+        match = np.zeros(self.size, dtype=bool)
+        match[ids[:cut] if below else ids[cut:]] = True
+        return match

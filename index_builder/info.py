@@ -107,14 +107,6 @@ def stages(m: dict[str, Any]) -> list[tuple[str, str]]:
     ]
 
 
-def _filter_fields(root: Path) -> str:
-    """The fields a request's ``filter`` can name in this bundle's pool, each with its count of values."""
-    fields = MetadataIndex(read_responses(root / RESPONSES)[1]).fields
-    if not fields:
-        return "none (the pool file gave no fields besides the text)"
-    return ", ".join(f"{name} ({len(values):,} values)" for name, values in sorted(fields.items()))
-
-
 def describe(path: str | Path) -> list[tuple[str, str]]:
     """(label, value) lines describing the bundle at ``path`` (its hashes verified first)."""
     root = Path(path)
@@ -132,7 +124,7 @@ def describe(path: str | Path) -> list[tuple[str, str]]:
             f"({build['dropped_duplicates_or_blank']:,} repeats or blanks dropped; {added:,} added since; "
             f"{m.get('withdrawn', {}).get('count', 0):,} withdrawn)",
         ),
-        ("filters", _filter_fields(root)),
+        ("filters", MetadataIndex(read_responses(root / RESPONSES)[1]).describe()),
         (
             "index",
             f"{index['factory']}, {index['metric']}, dim {index['dim']}, search params "

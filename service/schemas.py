@@ -21,6 +21,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from coreply.filters import OPERATORS
 from coreply.ranking import Fusion
 from service.settings import Settings
 
@@ -56,20 +57,22 @@ def respond_request_model(settings: Settings) -> type[RespondBase]:
                 f"{most} characters",
             ) from None
 
-    def one_filter_value(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    def one_filter_condition(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
         try:
             return handler(value)
         except ValidationError:  # one message for the field, not one per member of the union
             raise PydanticCustomError(
-                "filter_value",
-                f"Input should be a text of at most {most} characters, a finite number or a boolean, or "
-                f"a list of 1 to {FILTER_VALUES} of them",
+                "filter_condition",
+                f"Input should be a text of at most {most} characters, a finite number or a boolean, "
+                f"a list of 1 to {FILTER_VALUES} of them, or an object of operators "
+                f"({', '.join(OPERATORS)}) with one of those as operand",
             ) from None
 
     value = StrictBool | StrictInt | StrictFloat | Annotated[StrictStr, Field(max_length=most)]
-    matched = Annotated[
-        value | Annotated[list[value], Field(min_length=1, max_length=FILTER_VALUES)],
-        WrapValidator(one_filter_value),
+    values = value | Annotated[list[value], Field(min_length=1, max_length=FILTER_VALUES)]
+    condition = Annotated[
+        values | Annotated[dict[str, values], Field(max_length=len(OPERATORS))],
+        WrapValidator(one_filter_condition),
     ]
     excluded = Annotated[
         Annotated[StrictInt, Field(ge=0)] | Annotated[StrictStr, Field(max_length=most)],
@@ -145,15 +148,17 @@ def respond_request_model(settings: Settings) -> type[RespondBase]:
             ),
         ),
         filter=(
-            dict[str, matched] | None,
+            dict[str, condition] | None,
             Field(
                 None,
                 max_length=FILTER_FIELDS,
                 description="answer only with responses whose metadata (the pool file's other fields) "
-                "matches every field named: equal to the value, or to one of a list of values; a field "
+                "meets every field's condition: equal to a value, to one of a list of values, or meeting "
+                "every operator of an object ($eq, $ne, $in, $nin, $gt, $gte, $lt, $lte on numbers, "
+                "$exists: true or false; $ne and $nin also allow responses without the field); a field "
                 "that is a list in the pool file matches when one of its items does. A field no response "
                 "has is a 422. The search runs within the responses allowed",
-                examples=[{"locale": "en", "intent": ["refund", "billing"]}],
+                examples=[{"locale": "en", "intent": ["refund", "billing"], "price": {"$lt": 20}}],
             ),
         ),
     )

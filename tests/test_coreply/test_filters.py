@@ -9,7 +9,7 @@ from conftest import best_within, toy_pool
 
 import coreply.bundle
 from coreply.bundle import load_bundle, make_backend, search_on, search_within
-from coreply.filters import FilterError, MetadataIndex
+from coreply.filters import OPERATORS, FilterError, MetadataIndex
 from coreply.prior import Prior
 from coreply.ranking import Query
 from coreply.responder import Responder
@@ -47,13 +47,115 @@ def test_values_compare_as_json_values():
     assert ids(index.allowed({"tier": "1"})) == []  # text is not a number
 
 
+def test_operators_match_as_their_names_say():
+    index = MetadataIndex(POOL)
+    assert ids(index.allowed({"intent": {"$eq": "refund"}})) == ids(index.allowed({"intent": "refund"}))
+    assert ids(index.allowed({"intent": {"$ne": "refund"}})) == [2, 3, 4]  # 4 has no intent
+    assert ids(index.allowed({"locale": {"$in": ["de", "fr"]}})) == [1]
+    assert ids(index.allowed({"tags": {"$nin": ["vip", "x"]}})) == [1, 2, 3, 4]  # no item is one of them
+    assert ids(index.allowed({"tier": {"$gt": 1}})) == [] and ids(index.allowed({"tier": {"$gte": 1}})) == [
+        1,
+        2,
+    ]
+    assert ids(index.allowed({"tier": {"$lt": 1.5, "$gt": 0.5}})) == [1, 2]
+    assert ids(index.allowed({"vip": {"$lte": 1}})) == [3]  # true is no number
+    assert ids(index.allowed({"locale": {"$exists": False}, "intent": {"$exists": True}})) == [3]
+
+
+def test_the_index_describes_the_fields_a_filter_can_name():
+    assert MetadataIndex(POOL).describe() == (
+        "intent (2 values), locale (2 values), tags (2 values), tier (1 value, numbers 1 to 1), "
+        "vip (2 values, numbers 1 to 1)"
+    )
+    said = MetadataIndex([{"price": 0.5}, {"price": [99, "n/a"]}, {"price": -3}]).describe()
+    assert said == "price (4 values, numbers -3 to 99)"
+    assert MetadataIndex([{}, {"x": None}]).describe().startswith("none (the pool file gave no fields")
+
+
+def meets(record: dict, name: str, op: str, operand) -> bool:
+    """The reference: one response's field against one operator, written out case by case."""
+    held = record.get(name)
+    items = [x for x in (held if isinstance(held, list) else [held]) if isinstance(x, str | int | float)]
+    numbers = [float(x) for x in items if not isinstance(x, bool | str)]
+
+    def kind(x) -> type:  # JSON's kinds: a boolean is no number
+        return bool if isinstance(x, bool) else str if isinstance(x, str) else float
+
+    def equal(value) -> bool:
+        return any(kind(x) is kind(value) and x == value for x in items)
+
+    match op:
+        case "$eq" | "$ne":
+            return equal(operand) == (op == "$eq")
+        case "$in" | "$nin":
+            return any(equal(v) for v in operand) == (op == "$in")
+        case "$gt":
+            return any(x > operand for x in numbers)
+        case "$gte":
+            return any(x >= operand for x in numbers)
+        case "$lt":
+            return any(x < operand for x in numbers)
+        case "$lte":
+            return any(x <= operand for x in numbers)
+        case "$exists":
+            return bool(items) == operand
+    raise AssertionError(op)
+
+
+def test_every_operator_matches_as_the_reference_does_over_a_random_pool():
+    rng = np.random.default_rng(0)
+    kinds = [0, 1, 2, 2.5, 3, True, False, "a", "b", "2", None, {"x": 1}]
+
+    def value():
+        pick = rng.integers(len(kinds) + 2)
+        if pick == len(kinds):
+            return [kinds[i] for i in rng.integers(len(kinds), size=rng.integers(0, 4))]
+        return kinds[pick] if pick < len(kinds) else "absent"
+
+    pool = [{n: v for n in ("f", "g") if (v := value()) != "absent"} for _ in range(300)]
+    pool[0] = {"f": 1, "g": 1}  # each field holds a number somewhere
+    index = MetadataIndex(pool)
+    scalars = [0, 1, 2, 2.5, 4, -1, True, False, "a", "2", "zz"]
+    checked = 0
+    for _ in range(400):
+        name, op = str(rng.choice(["f", "g"])), str(rng.choice(OPERATORS))
+        if op in ("$in", "$nin"):
+            operand = [scalars[i] for i in rng.integers(len(scalars), size=rng.integers(1, 4))]
+        elif op in ("$gt", "$gte", "$lt", "$lte"):
+            operand = [0, 1, 2, 2.5, -1, 3.5][rng.integers(6)]
+        elif op == "$exists":
+            operand = bool(rng.integers(2))
+        else:
+            operand = scalars[rng.integers(len(scalars))]
+        got = ids(index.allowed({name: {op: operand}}))
+        want = [i for i, record in enumerate(pool) if meets(record, name, op, operand)]
+        assert got == want, (name, op, operand)
+        checked += len(want)
+    assert checked > 10_000  # the draws allowed something, not only nothing
+
+
 @pytest.mark.parametrize(
     ("where", "says"),
     [
         ({"intnet": "refund"}, "intnet: no response in this pool has this field (fields: intent, locale,"),
         ({"extra": "x"}, "extra: no response in this pool has this field"),  # objects are never indexed
         ({"intent": []}, "intent: an empty list of values matches nothing"),
-        ({"intent": {"$eq": "refund"}}, "intent: {'$eq': 'refund'} is not a text, number or boolean"),
+        ({"intent": [{"nested": 1}]}, "intent: {'nested': 1} is not a text, number or boolean"),
+        ({"intent": {}}, "intent: an object of operators names none ($eq, $ne, $in,"),
+        ({"intent": {"eq": "refund"}}, "intent.eq: not an operator (operators: $eq, $ne, $in,"),
+        ({"intent": {"$eq": ["refund"]}}, "intent.$eq: takes one value; $in takes a list"),
+        ({"intent": {"$ne": ["refund"]}}, "intent.$ne: takes one value; $nin takes a list"),
+        ({"intent": {"$nin": "refund"}}, "intent.$nin: takes a list of 1 or more values"),
+        ({"intent": {"$in": []}}, "intent.$in: takes a list of 1 or more values"),
+        ({"intent": {"$in": [None]}}, "intent.$in: None is not a text, number or boolean"),
+        (
+            {"intent": {"$gt": 1}},
+            "intent.$gt: compares numbers, and no response holds a number",
+        ),
+        ({"tier": {"$lt": "2"}}, "tier.$lt: takes a finite number, not '2'"),
+        ({"tier": {"$lte": True}}, "tier.$lte: takes a finite number, not True"),
+        ({"tier": {"$gte": float("nan")}}, "tier.$gte: takes a finite number, not nan"),
+        ({"tier": {"$exists": 1}}, "tier.$exists: takes true or false, not 1"),
     ],
 )
 def test_a_filter_that_cannot_match_as_meant_is_refused_naming_the_field(where, says):

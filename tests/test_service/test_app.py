@@ -803,7 +803,7 @@ def test_a_filter_answers_within_the_responses_whose_metadata_matches(tmp_path, 
     answers against a pool of the allowed responses alone); a filter that cannot match as meant is a 422
     naming the field, one that allows nothing answers with the fallback."""
     answers = [a for _, a in TOPICS.values()]
-    metadata = [{"intent": name, "locale": "en" if i % 2 else "de"} for i, name in enumerate(TOPICS)]
+    metadata = [{"intent": t, "locale": "en" if i % 2 else "de", "rank": i} for i, t in enumerate(TOPICS)]
     build_bundle(
         tmp_path / "b", answers, bi=str(tiny_core / "bi"), onnx="none", progress=False, metadata=metadata
     )
@@ -813,24 +813,28 @@ def test_a_filter_answers_within_the_responses_whose_metadata_matches(tmp_path, 
         everything = c.post("/respond", json=pet | {"top_k": len(answers), "n_candidates": len(answers)})
         ranked = everything.json()["responses"]  # the whole pool, best first
         assert ranked[0]["metadata"]["intent"] == "pet"
-        assert c.get("/readyz").json()["filter_fields"] == ["intent", "locale"]
-
-        def matches(metadata: dict, where: dict) -> bool:
-            return all(metadata[f] in (v if isinstance(v, list) else [v]) for f, v in where.items())
-
-        for where in ({"locale": "de"}, {"intent": ["sport", "food"]}, {"locale": "en", "intent": "pet"}):
+        assert c.get("/readyz").json()["filter_fields"] == ["intent", "locale", "rank"]
+        for where, matches in (
+            ({"locale": "de"}, lambda m: m["locale"] == "de"),
+            ({"intent": ["sport", "food"]}, lambda m: m["intent"] in ("sport", "food")),
+            ({"locale": "en", "intent": "pet"}, lambda m: m["locale"] == "en" and m["intent"] == "pet"),
+            ({"intent": {"$nin": ["pet", "food"]}}, lambda m: m["intent"] not in ("pet", "food")),
+            ({"rank": {"$gte": 1, "$lt": 3}, "locale": {"$ne": "en"}}, lambda m: m["rank"] == 2),
+        ):
             body = c.post("/respond", json=pet | {"filter": where, "top_k": 2}).json()
-            expected = [r["id"] for r in ranked if matches(r["metadata"], where)][:2]
+            expected = [r["id"] for r in ranked if matches(r["metadata"])][:2]
             assert [r["id"] for r in body["responses"]] == expected and body["fallback"] is None
         nobody = c.post("/respond", json=pet | {"filter": {"intent": "farewell"}}).json()
         assert nobody["responses"] == [] and nobody["fallback"] == "Let me get a human."
         for where, says in (
             (
                 {"intnet": "pet"},
-                "filter.intnet: no response in this pool has this field (fields: intent, locale)",
+                "filter.intnet: no response in this pool has this field (fields: intent, locale, rank)",
             ),
-            ({"intent": {"$in": ["pet"]}}, "filter.intent: Input should be a text of at most"),
+            ({"intent": {"$in": [["pet"]]}}, "filter.intent: Input should be a text of at most"),
             ({"intent": []}, "filter.intent: Input should be a text of at most"),
+            ({"rank": {"$gt": "2"}}, "filter.rank.$gt: takes a finite number, not '2'"),
+            ({"intent": {"in": ["pet"]}}, "filter.intent.in: not an operator (operators: $eq, $ne,"),
         ):
             refused = c.post("/respond", json=pet | {"filter": where})
             assert refused.status_code == 422 and refused.json()["error"].startswith(says), refused.text
