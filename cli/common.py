@@ -23,7 +23,18 @@ class CliError(Exception):
     """A user error: printed as one line, exit code 2."""
 
 
-DEFAULTS_SHOWN = {"formatter_class": argparse.ArgumentDefaultsHelpFormatter}
+class _DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds an option's default to its help, except where that would say nothing (``None``, an off
+    flag) or what the help already says in words ("(default: the whole pool)")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        said = action.help or ""
+        if action.default is None or action.default is False or "(default: " in said:
+            return said
+        return super()._get_help_string(action) or said
+
+
+DEFAULTS_SHOWN = {"formatter_class": _DefaultsShown}
 
 
 class Parser(argparse.ArgumentParser):

@@ -212,6 +212,9 @@ def test_every_train_and_eval_flag_has_help_and_shows_its_default():
     assert (
         "(default: 32)" in train_help and "(default: 100)" in train_help
     )  # --num-negatives, --valid-candidates
+    chat_help = " ".join(commands["chat"].format_help().split())  # a default said once, in words or not
+    assert "(default: None)" not in chat_help and "(default: False)" not in chat_help
+    assert "(default: the whole pool)" in chat_help and "(default: 1)" in chat_help  # --filter, --show
 
 
 def test_training_into_an_existing_run_needs_resume_or_overwrite(capsys, tmp_path, tiny_model_dir, own_data):
