@@ -9,7 +9,9 @@ MongoDB write them, all of which must hold:
 - ``$gt``, ``$gte``, ``$lt``, ``$lte``: a number above / at least / below / at most a number;
 - ``$exists``: ``true``, the field holds a text, number or boolean; ``false``, it does not.
 
-``{"locale": "en", "intent": {"$ne": "refund"}, "price": {"$gte": 10, "$lt": 20}}``. A field that holds a
+``{"locale": "en", "intent": {"$ne": "refund"}, "price": {"$gte": 10, "$lt": 20}}``. Filters combine with
+``$and`` and ``$or`` (a list of filters) and ``$not`` (one filter), at most :data:`NESTED` deep:
+``{"$or": [{"intent": "refund"}, {"tags": "vip"}], "$not": {"locale": "de"}}``. A field that holds a
 list in the pool file (tags) matches when one of its items does, each operator on its own; the negations
 are the complements of their positive forms, so ``$ne`` and ``$nin`` also allow the responses that lack
 the field (``$exists`` tells them apart). Values compare as JSON does: ``1`` and ``1.0`` are one number,
@@ -32,13 +34,24 @@ import numpy as np
 
 Scalar = str | int | float | bool
 Condition = Scalar | Sequence[Scalar] | Mapping[str, Scalar | Sequence[Scalar]]
-Filter = Mapping[str, Condition]
+Filter = Mapping[str, Any]
+"""Field -> :data:`Condition`; or a :data:`LOGICAL` operator -> a list of filters, or one for ``$not``."""
 
 RANGES = {"$gt": ("right", False), "$gte": ("left", False), "$lt": ("left", True), "$lte": ("right", True)}
 """A range operator -> (the side ``np.searchsorted`` puts its bound on, whether it keeps what lies below)."""
 LISTED = {"$eq": "$in", "$ne": "$nin"}
 """An operator on one value -> its form on a list of values."""
 OPERATORS = ("$eq", "$ne", "$in", "$nin", *RANGES, "$exists")
+"""A field's operators: ``{"price": {"$lt": 20}}``."""
+LOGICAL = ("$and", "$or", "$not")
+"""A filter's operators, whose operands are filters: ``{"$or": [{"intent": "refund"}, {"tags": "vip"}]}``."""
+NESTED = 4
+"""The most filters one filter may hold one within another (``$and``, ``$or``, ``$not``)."""
+CONDITIONS = 64
+"""The most conditions one filter may hold in all (each field's value, list or operator, and each filter
+within ``$and``, ``$or`` or ``$not``): each is a pass over the pool, so a request's filter stays cheap."""
+VALUES = 256
+"""The most values one list may hold (a field's list of values, ``$in``, ``$nin``)."""
 
 
 class FilterError(ValueError):
@@ -124,27 +137,65 @@ class MetadataIndex:
         """[N] bool: the responses that meet every condition of ``where``. A field no response holds as a
         text, number or boolean raises :class:`FilterError` (most often a misspelt name), as does a
         condition that cannot match as meant; a value no response holds just matches nothing."""
+        return self._all(where, "", 0, [CONDITIONS])
+
+    def _all(self, where: Filter, at: str, depth: int, left: list[int]) -> np.ndarray:
+        """[N] bool: ``where`` met. ``at`` is the path to it, for errors; ``left`` holds the count of
+        conditions the whole filter may still hold, one list shared down the walk."""
         mask = np.ones(self.size, dtype=bool)
         for name, condition in where.items():
-            if name not in self.fields:
-                known = ", ".join(sorted(self.fields)[:20]) or "none"
-                raise FilterError(name, f"no response in this pool has this field (fields: {known})")
-            if isinstance(condition, Mapping):
-                if not condition:
-                    raise FilterError(name, f"an object of operators names none ({', '.join(OPERATORS)})")
-                for op, operand in condition.items():
-                    mask &= self._operator(name, op, operand)
-            elif _is_list(condition):
-                if not condition:
-                    raise FilterError(name, "an empty list of values matches nothing; leave the field out")
-                mask &= self._any_of(name, name, condition)
+            if name.startswith("$"):
+                mask &= self._logical(name, condition, at + name, depth, left)
             else:
-                mask &= self._any_of(name, name, (condition,))
+                mask &= self._field(name, condition, at + name, left)
         return mask
 
-    def _operator(self, name: str, op: str, operand: Any) -> np.ndarray:
+    @staticmethod
+    def _spend(where: str, left: list[int], n: int = 1) -> None:
+        left[0] -= n
+        if left[0] < 0:
+            raise FilterError(where, f"the filter holds more than {CONDITIONS} conditions in all")
+
+    def _logical(self, op: str, operand: Any, where: str, depth: int, left: list[int]) -> np.ndarray:
+        """[N] bool: ``{op: operand}`` for a logical operator, whose operands are whole filters."""
+        if op not in LOGICAL:
+            raise FilterError(where, f"not a logical operator ({', '.join(LOGICAL)}); a field's operators go "
+                              'inside it: {"price": {"$lt": 20}}')  # fmt: skip
+        if depth == NESTED:
+            raise FilterError(where, f"filters nested more than {NESTED} deep")
+        if op == "$not":
+            if not isinstance(operand, Mapping):
+                raise FilterError(where, "takes a filter (a JSON object of fields)")
+            self._spend(where, left)
+            return ~self._all(operand, f"{where}.", depth + 1, left)
+        if not _is_list(operand) or not operand or not all(isinstance(f, Mapping) for f in operand):
+            raise FilterError(where, "takes a list of 1 or more filters (JSON objects of fields)")
+        self._spend(where, left, len(operand))
+        masks = [self._all(f, f"{where}.{i}.", depth + 1, left) for i, f in enumerate(operand)]
+        return np.logical_and.reduce(masks) if op == "$and" else np.logical_or.reduce(masks)
+
+    def _field(self, name: str, condition: Condition, where: str, left: list[int]) -> np.ndarray:
+        """[N] bool: the responses whose field ``name`` meets ``condition``."""
+        if name not in self.fields:
+            known = ", ".join(sorted(self.fields)[:20]) or "none"
+            raise FilterError(where, f"no response in this pool has this field (fields: {known})")
+        if isinstance(condition, Mapping):
+            if not condition:
+                raise FilterError(where, f"an object of operators names none ({', '.join(OPERATORS)})")
+            self._spend(where, left, len(condition))
+            mask = np.ones(self.size, dtype=bool)
+            for op, operand in condition.items():
+                mask &= self._operator(name, op, operand, f"{where}.{op}")
+            return mask
+        self._spend(where, left)
+        if _is_list(condition):
+            if not condition:
+                raise FilterError(where, "an empty list of values matches nothing; leave the field out")
+            return self._any_of(name, where, condition)
+        return self._any_of(name, where, (condition,))
+
+    def _operator(self, name: str, op: str, operand: Any, where: str) -> np.ndarray:
         """[N] bool: the responses whose field ``name`` meets ``{op: operand}``."""
-        where = f"{name}.{op}"
         if op in ("$eq", "$ne"):
             if _is_list(operand):
                 raise FilterError(where, f"takes one value; {LISTED[op]} takes a list")
@@ -167,6 +218,8 @@ class MetadataIndex:
 
     def _any_of(self, name: str, where: str, items: Sequence[Any]) -> np.ndarray:
         """[N] bool: the responses whose field ``name`` holds one of ``items``."""
+        if len(items) > VALUES:
+            raise FilterError(where, f"{len(items)} values; a list may hold at most {VALUES}")
         values = self.fields[name]
         match = np.zeros(self.size, dtype=bool)
         for item in items:

@@ -10,7 +10,6 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictBool,
-    StrictFloat,
     StrictInt,
     StrictStr,
     ValidationError,
@@ -21,14 +20,9 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from coreply.filters import OPERATORS
+from coreply.filters import CONDITIONS, NESTED, VALUES
 from coreply.ranking import Fusion
 from service.settings import Settings
-
-FILTER_FIELDS = 16
-"""Fields one request's ``filter`` may name."""
-FILTER_VALUES = 256
-"""Values one ``filter`` field may list."""
 
 
 class RespondBase(BaseModel):
@@ -57,23 +51,6 @@ def respond_request_model(settings: Settings) -> type[RespondBase]:
                 f"{most} characters",
             ) from None
 
-    def one_filter_condition(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
-        try:
-            return handler(value)
-        except ValidationError:  # one message for the field, not one per member of the union
-            raise PydanticCustomError(
-                "filter_condition",
-                f"Input should be a text of at most {most} characters, a finite number or a boolean, "
-                f"a list of 1 to {FILTER_VALUES} of them, or an object of operators "
-                f"({', '.join(OPERATORS)}) with one of those as operand",
-            ) from None
-
-    value = StrictBool | StrictInt | StrictFloat | Annotated[StrictStr, Field(max_length=most)]
-    values = value | Annotated[list[value], Field(min_length=1, max_length=FILTER_VALUES)]
-    condition = Annotated[
-        values | Annotated[dict[str, values], Field(max_length=len(OPERATORS))],
-        WrapValidator(one_filter_condition),
-    ]
     excluded = Annotated[
         Annotated[StrictInt, Field(ge=0)] | Annotated[StrictStr, Field(max_length=most)],
         WrapValidator(id_or_text),
@@ -148,16 +125,18 @@ def respond_request_model(settings: Settings) -> type[RespondBase]:
             ),
         ),
         filter=(
-            dict[str, condition] | None,
+            dict[str, Any] | None,
             Field(
                 None,
-                max_length=FILTER_FIELDS,
                 description="answer only with responses whose metadata (the pool file's other fields) "
                 "meets every field's condition: equal to a value, to one of a list of values, or meeting "
                 "every operator of an object ($eq, $ne, $in, $nin, $gt, $gte, $lt, $lte on numbers, "
                 "$exists: true or false; $ne and $nin also allow responses without the field); a field "
-                "that is a list in the pool file matches when one of its items does. A field no response "
-                "has is a 422. The search runs within the responses allowed",
+                "that is a list in the pool file matches when one of its items does. Filters combine with "
+                f"$and and $or (a list of filters) and $not (one filter), {NESTED} deep. A field no "
+                "response has, or an operator that cannot match as meant, is a 422 naming it. At most "
+                f"{CONDITIONS} conditions in all and {VALUES} values a list. The search runs within the "
+                "responses allowed",
                 examples=[{"locale": "en", "intent": ["refund", "billing"], "price": {"$lt": 20}}],
             ),
         ),

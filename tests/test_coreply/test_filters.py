@@ -1,6 +1,7 @@
 """Metadata filters: what a filter matches, and that a filtered search answers exactly as a pool holding
 only the allowed responses would (the same responses in the same order, with every stage)."""
 
+import re
 from dataclasses import replace
 
 import numpy as np
@@ -9,7 +10,7 @@ from conftest import best_within, toy_pool
 
 import coreply.bundle
 from coreply.bundle import load_bundle, make_backend, search_on, search_within
-from coreply.filters import OPERATORS, FilterError, MetadataIndex
+from coreply.filters import LOGICAL, OPERATORS, FilterError, MetadataIndex
 from coreply.prior import Prior
 from coreply.ranking import Query
 from coreply.responder import Responder
@@ -102,7 +103,26 @@ def meets(record: dict, name: str, op: str, operand) -> bool:
     raise AssertionError(op)
 
 
-def test_every_operator_matches_as_the_reference_does_over_a_random_pool():
+def satisfies(record: dict, where: dict) -> bool:
+    """The reference for a whole filter: every name met, the logical operators read as their names say."""
+    for name, condition in where.items():
+        if name == "$not":
+            met = not satisfies(record, condition)
+        elif name in ("$and", "$or"):
+            met = (all if name == "$and" else any)(satisfies(record, f) for f in condition)
+        elif isinstance(condition, dict):
+            met = all(meets(record, name, op, operand) for op, operand in condition.items())
+        else:
+            met = meets(record, name, "$in", condition if isinstance(condition, list) else [condition])
+        if not met:
+            return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def random_pool() -> list[dict]:
+    """300 responses whose fields f and g hold numbers, booleans, texts, lists of them, nulls, objects,
+    or nothing."""
     rng = np.random.default_rng(0)
     kinds = [0, 1, 2, 2.5, 3, True, False, "a", "b", "2", None, {"x": 1}]
 
@@ -114,24 +134,60 @@ def test_every_operator_matches_as_the_reference_does_over_a_random_pool():
 
     pool = [{n: v for n in ("f", "g") if (v := value()) != "absent"} for _ in range(300)]
     pool[0] = {"f": 1, "g": 1}  # each field holds a number somewhere
-    index = MetadataIndex(pool)
+    return pool
+
+
+def random_condition(rng: np.random.Generator) -> dict:
+    """One field under one operator, or a plain value or list, drawn from what the random pool holds."""
     scalars = [0, 1, 2, 2.5, 4, -1, True, False, "a", "2", "zz"]
+    name, op = str(rng.choice(["f", "g"])), str(rng.choice([*OPERATORS, "plain"]))
+    if op in ("$in", "$nin"):
+        operand = [scalars[i] for i in rng.integers(len(scalars), size=rng.integers(1, 4))]
+    elif op in ("$gt", "$gte", "$lt", "$lte"):
+        operand = [0, 1, 2, 2.5, -1, 3.5][rng.integers(6)]
+    elif op == "$exists":
+        operand = bool(rng.integers(2))
+    else:
+        operand = scalars[rng.integers(len(scalars))]
+    return {name: operand} if op == "plain" else {name: {op: operand}}
+
+
+def test_every_operator_matches_as_the_reference_does_over_a_random_pool(random_pool):
+    rng = np.random.default_rng(1)
+    index = MetadataIndex(random_pool)
     checked = 0
     for _ in range(400):
-        name, op = str(rng.choice(["f", "g"])), str(rng.choice(OPERATORS))
-        if op in ("$in", "$nin"):
-            operand = [scalars[i] for i in rng.integers(len(scalars), size=rng.integers(1, 4))]
-        elif op in ("$gt", "$gte", "$lt", "$lte"):
-            operand = [0, 1, 2, 2.5, -1, 3.5][rng.integers(6)]
-        elif op == "$exists":
-            operand = bool(rng.integers(2))
-        else:
-            operand = scalars[rng.integers(len(scalars))]
-        got = ids(index.allowed({name: {op: operand}}))
-        want = [i for i, record in enumerate(pool) if meets(record, name, op, operand)]
-        assert got == want, (name, op, operand)
-        checked += len(want)
+        where = random_condition(rng)
+        got = ids(index.allowed(where))
+        assert got == [i for i, record in enumerate(random_pool) if satisfies(record, where)], where
+        checked += len(got)
     assert checked > 10_000  # the draws allowed something, not only nothing
+
+
+def test_and_or_not_combine_filters_as_the_reference_does(random_pool):
+    rng = np.random.default_rng(2)
+    index = MetadataIndex(random_pool)
+
+    def random_filter(depth: int) -> dict:
+        pick = rng.integers(5 if depth < 3 else 1)
+        if pick == 0:
+            return random_condition(rng)
+        if pick == 1:
+            return {"$not": random_filter(depth + 1)}
+        if pick == 2:
+            return random_condition(rng) | random_condition(rng)  # two fields (or one, twice)
+        op = "$and" if pick == 3 else "$or"
+        return {op: [random_filter(depth + 1) for _ in range(rng.integers(1, 4))]}
+
+    drawn, shares = [], []
+    for _ in range(300):
+        drawn.append(where := random_filter(0))
+        got = ids(index.allowed(where))
+        assert got == [i for i, record in enumerate(random_pool) if satisfies(record, where)], where
+        shares.append(len(got) / len(random_pool))
+    nested = [w for w in drawn if any(op in str(w) for op in LOGICAL)]
+    assert len(nested) > 100 and all(sum(op in str(w) for w in drawn) > 30 for op in LOGICAL)
+    assert 0.1 < np.mean(shares) < 0.9  # the filters allowed some and barred some
 
 
 @pytest.mark.parametrize(
@@ -156,10 +212,23 @@ def test_every_operator_matches_as_the_reference_does_over_a_random_pool():
         ({"tier": {"$lte": True}}, "tier.$lte: takes a finite number, not True"),
         ({"tier": {"$gte": float("nan")}}, "tier.$gte: takes a finite number, not nan"),
         ({"tier": {"$exists": 1}}, "tier.$exists: takes true or false, not 1"),
+        ({"$or": [{"intent": "refund"}, {"intnet": "x"}]}, "$or.1.intnet: no response in this pool has"),
+        ({"$not": {"tier": {"$gt": "1"}}}, "$not.tier.$gt: takes a finite number"),
+        ({"$or": []}, "$or: takes a list of 1 or more filters"),
+        ({"$and": {"intent": "refund"}}, "$and: takes a list of 1 or more filters"),
+        ({"$not": ["intent"]}, "$not: takes a filter"),
+        ({"$nor": [{"intent": "refund"}]}, "$nor: not a logical operator ($and, $or, $not); a field's"),
+        ({"$gt": 1}, "$gt: not a logical operator"),
+        (
+            {"$not": {"$not": {"$not": {"$not": {"$not": {}}}}}},
+            "$not.$not.$not.$not.$not: filters nested more",
+        ),
+        ({"intent": ["refund"] * 257}, "intent: 257 values; a list may hold at most 256"),
+        ({"$or": [{"tier": 1}] * 64}, "$or.0.tier: the filter holds more than 64 conditions in all"),
     ],
 )
 def test_a_filter_that_cannot_match_as_meant_is_refused_naming_the_field(where, says):
-    with pytest.raises(FilterError, match=says.replace("(", r"\(").replace("$", r"\$")):
+    with pytest.raises(FilterError, match=re.escape(says)):
         MetadataIndex(POOL).allowed(where)
 
 
