@@ -13,6 +13,7 @@ from cli.common import (
     CliError,
     add_checkpoint_args,
     at_least,
+    filter_json,
     gate_fidelity,
     guard_quantile,
     knowledge_file,
@@ -135,28 +136,56 @@ def index_parser(sub) -> None:
     w.add_argument("bundle")
     w.add_argument("--ids", type=at_least(0), nargs="+", default=[], help="response ids (as /respond gives)")
     w.add_argument("--texts", help="response texts: .txt (one per line) or .jsonl ({'text': ...}) file")
+    w.add_argument(
+        "--filter",
+        type=filter_json,
+        metavar="JSON",
+        help="""the responses whose metadata matches, as /respond's "filter": '{"intent": "retired"}'""",
+    )
     w.add_argument("--restore", action="store_true", help="put the given responses back")
     v = isub.add_parser("verify", help="check a bundle's hashes, counts and model ties")
     v.add_argument("bundle")
     i = isub.add_parser("info", help="what a bundle holds: pool, index, models, fusion, sizes, build command")
     i.add_argument("bundle")
-    i.add_argument("--json", action="store_true", help="print the manifest instead")
-    i.add_argument(
+    instead = i.add_mutually_exclusive_group()
+    instead.add_argument("--json", action="store_true", help="print the manifest instead")
+    instead.add_argument(
         "--withdrawn",
         action="store_true",
         help="print the withdrawn responses instead, one JSON line each ({'id': ..., 'text': ...}: a file "
         "`index withdraw --texts` reads, to withdraw them from another bundle or put them back)",
     )
+    instead.add_argument(
+        "--filter",
+        type=filter_json,
+        metavar="JSON",
+        help="""print the responses whose metadata matches instead, as /respond's "filter" allows them """
+        """(withdrawn ones too), one JSON line each ({'id': ..., 'text': ..., 'metadata': ...})""",
+    )
+
+
+def _matching(bundle: str, where: dict) -> list[tuple[int, str, dict]]:
+    """``index_builder.info.matching``, a filter that cannot match as meant said in one line."""
+    from coreply.filters import FilterError
+    from index_builder.info import matching
+
+    try:
+        return matching(bundle, where)
+    except FilterError as exc:
+        raise CliError(f"--filter: {exc}") from None
 
 
 def _withdraw(args: argparse.Namespace) -> int:
     from coreply.readers import read_pool
     from index_builder.withdraw import withdraw
 
-    if not args.ids and not args.texts:
-        raise CliError("withdraw: name the responses with --ids, --texts or both")
+    if not args.ids and not args.texts and not args.filter:
+        raise CliError("withdraw: name the responses with --ids, --texts, --filter or more than one")
     texts = read_pool(args.texts)[0] if args.texts else []
-    manifest, changed, unknown = withdraw(args.bundle, args.ids, texts, args.restore)
+    ids = [*args.ids, *(i for i, _, _ in _matching(args.bundle, args.filter))] if args.filter else args.ids
+    if args.filter and len(ids) == len(args.ids):
+        print(f"note: --filter: no response of {args.bundle} matches it")
+    manifest, changed, unknown = withdraw(args.bundle, ids, texts, args.restore)
     if unknown:
         print(f"note: {len(unknown)} of the --texts are not in the bundle (the first: {unknown[0]!r})")
     out = manifest.get("withdrawn", {}).get("count", 0)
@@ -182,6 +211,9 @@ def cmd_index(args: argparse.Namespace) -> int:
 
             for i, text in withdrawn_of(Path(args.bundle))[1]:
                 print(json.dumps({"id": i, "text": text}, ensure_ascii=False))
+        elif args.filter:
+            for i, text, metadata in _matching(args.bundle, args.filter):
+                print(json.dumps({"id": i, "text": text, "metadata": metadata}, ensure_ascii=False))
         else:
             for label, value in describe(args.bundle):
                 print(f"{label:<10} {value}")

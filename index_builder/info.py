@@ -5,8 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from coreply.bundle import CALIBRATED, RESPONSES, default_fusion, read_manifest, read_responses, rerank_stage
-from coreply.filters import MetadataIndex
+from coreply.filters import Filter, MetadataIndex
 
 
 def _size(path: Path) -> int:
@@ -105,6 +107,17 @@ def stages(m: dict[str, Any]) -> list[tuple[str, str]]:
         ),
         ("lexical", _lexical(m.get("lexical"))),
     ]
+
+
+def matching(path: str | Path, where: Filter) -> list[tuple[int, str, dict[str, Any]]]:
+    """The responses of the bundle at ``path`` whose metadata meets ``where``, as (id, text, metadata),
+    withdrawn ones included, read without loading its index (a :class:`~coreply.filters.FilterError`
+    where the filter cannot match as meant)."""
+    root = Path(path)
+    read_manifest(root, verify=False)  # a bundle, said before its pool is read
+    texts, metadata = read_responses(root / RESPONSES)
+    ids = np.flatnonzero(MetadataIndex(metadata).allowed(where))
+    return [(int(i), texts[i], metadata[i]) for i in ids]
 
 
 def describe(path: str | Path) -> list[tuple[str, str]]:

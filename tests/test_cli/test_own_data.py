@@ -346,6 +346,24 @@ def test_own_data_end_to_end_pool_metadata_eval_and_info(
     code, _, err = run(capsys, "chat", "--bundle", str(bundle), "--filter", '["pet"]')
     assert code != 0 and "--filter: '[\"pet\"]' is not a JSON object of fields" in err
 
+    # `index info --filter` lists what a filter allows; `index withdraw --filter` withdraws it (--restore)
+    code, out, _ = run(capsys, "index", "info", str(bundle), "--filter", where)
+    listed = [json.loads(line) for line in out.splitlines()]
+    assert code == 0 and sorted(r["text"] for r in listed) == sorted(
+        t for t in records if records[t]["intent"] in two
+    )
+    assert all(r["metadata"] == records[r["text"]] for r in listed)
+    one = json.dumps({"intent": two[0]})
+    code, out, _ = run(capsys, "index", "withdraw", str(bundle), "--filter", one)
+    gone = {t for t in records if records[t]["intent"] == two[0]}
+    assert code == 0 and f"{len(gone)} withdrawn" in out
+    code, out, _ = run(capsys, "index", "info", str(bundle), "--withdrawn")
+    assert {json.loads(line)["text"] for line in out.splitlines()} == gone
+    code, out, _ = run(capsys, "index", "withdraw", str(bundle), "--filter", one, "--restore")
+    assert code == 0 and f"{len(gone)} restored; 0 of 8 responses withdrawn in all" in out
+    code, _, err = run(capsys, "index", "withdraw", str(bundle), "--filter", '{"intent": {"$gt": 1}}')
+    assert code != 0 and "--filter: intent.$gt: compares numbers, and no response holds a number" in err
+
     result = tmp_path / "eval.json"
     caplog.set_level("WARNING")
     code, out, err = run(
