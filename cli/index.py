@@ -180,7 +180,7 @@ def _withdraw(args: argparse.Namespace) -> int:
     from index_builder.withdraw import withdraw
 
     if not args.ids and not args.texts and not args.filter:
-        raise CliError("withdraw: name the responses with --ids, --texts, --filter or more than one")
+        raise CliError("withdraw: name the responses with --ids, --texts or --filter (or several)")
     texts = read_pool(args.texts)[0] if args.texts else []
     ids = [*args.ids, *(i for i, _, _ in _matching(args.bundle, args.filter))] if args.filter else args.ids
     if args.filter and len(ids) == len(args.ids):

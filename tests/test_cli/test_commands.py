@@ -299,7 +299,7 @@ def test_index_build_add_verify(tmp_path, tiny_core):
     assert back.returncode == 0 and "1 restored; 1 of 3" in back.stdout, back.stderr
     (tmp_path / "blank.txt").write_text("\n  \n")
     for flags, message in [
-        ((), "name the responses with --ids, --texts or both"),
+        ((), "name the responses with --ids, --texts or --filter"),
         (("--texts", str(tmp_path / "blank.txt")), "blank.txt: no text in it (one per line"),
         (("--ids", "3"), "--ids: 3 is not a response of this bundle (its ids are 0 to 2)"),
         (("--ids", "-1"), "argument --ids: must be >= 0, got -1"),
