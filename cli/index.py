@@ -182,10 +182,10 @@ def _withdraw(args: argparse.Namespace) -> int:
     if not args.ids and not args.texts and not args.filter:
         raise CliError("withdraw: name the responses with --ids, --texts or --filter (or several)")
     texts = read_pool(args.texts)[0] if args.texts else []
-    ids = [*args.ids, *(i for i, _, _ in _matching(args.bundle, args.filter))] if args.filter else args.ids
-    if args.filter and len(ids) == len(args.ids):
+    matched = [i for i, _, _ in _matching(args.bundle, args.filter)] if args.filter else []
+    if args.filter and not matched:
         print(f"note: --filter: no response of {args.bundle} matches it")
-    manifest, changed, unknown = withdraw(args.bundle, ids, texts, args.restore)
+    manifest, changed, unknown = withdraw(args.bundle, [*args.ids, *matched], texts, args.restore)
     if unknown:
         print(f"note: {len(unknown)} of the --texts are not in the bundle (the first: {unknown[0]!r})")
     out = manifest.get("withdrawn", {}).get("count", 0)
