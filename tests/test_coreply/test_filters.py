@@ -1,7 +1,10 @@
 """Metadata filters: what a filter matches, and that a filtered search answers exactly as a pool holding
 only the allowed responses would (the same responses in the same order, with every stage)."""
 
+import math
+import random
 import re
+from collections import Counter
 from dataclasses import replace
 
 import numpy as np
@@ -319,3 +322,29 @@ def test_a_broad_filter_over_an_approximate_index_restricts_its_own_search(monke
     got = search_within(index, queries, 200, allow)[1]
     assert (got[:2] >= 0).all() and all(allow[i, got[i, got[i] >= 0]].all() for i in range(3))
     np.testing.assert_array_equal(got[:2, :10], want[:2])  # each short one searched again, exactly
+
+
+def test_any_json_either_filters_or_is_refused_as_a_filter_error():
+    """What a client may send (any JSON, odd numbers, operator names in the wrong places) comes back as a
+    mask or a FilterError, which the service answers with a 422; any other exception would be a 500."""
+    rng = random.Random(0)
+    index = MetadataIndex([{"intent": "refund", "tags": ["a", 1], "price": 3}, {"price": [1.5, 10**30]}, {}])
+    atoms = [None, True, 0, -1, 2.5, math.inf, math.nan, 10**400, "", "refund", "$in", "price", "tags"]
+    names = ["intent", "price", "tags", "nope", "", *OPERATORS, *LOGICAL, "$x"]
+
+    def draw(depth: int = 0):
+        pick = rng.random()
+        if depth > 4 or pick < 0.4:
+            return rng.choice(atoms)
+        if pick < 0.7:
+            return [draw(depth + 1) for _ in range(rng.randint(0, 3))]
+        return {rng.choice(names): draw(depth + 1) for _ in range(rng.randint(0, 3))}
+
+    outcomes = Counter()
+    for _ in range(20_000):
+        try:
+            index.allowed({rng.choice(names): draw() for _ in range(rng.randint(0, 3))})
+            outcomes["filtered"] += 1
+        except FilterError:
+            outcomes["refused"] += 1
+    assert outcomes["filtered"] > 2_000 and outcomes["refused"] > 2_000, outcomes
