@@ -22,6 +22,7 @@ from cli.common import (
     read_prior_pairs,
 )
 from coreply.config import ZERO_SHOT
+from coreply.filters import FilterError
 from coreply.gate import GATE_FIDELITY, REACH_FIDELITY
 from coreply.lexical import DEPTH as LEXICAL_DEPTH
 from coreply.lexical import PAIRS as LEXICAL_PAIRS
@@ -164,17 +165,6 @@ def index_parser(sub) -> None:
     )
 
 
-def _matching(bundle: str, where: dict) -> list[tuple[int, str, dict]]:
-    """``index_builder.info.matching``, a filter that cannot match as meant said in one line."""
-    from coreply.filters import FilterError
-    from index_builder.info import matching
-
-    try:
-        return matching(bundle, where)
-    except FilterError as exc:
-        raise CliError(f"--filter: {exc}") from None
-
-
 def _withdraw(args: argparse.Namespace) -> int:
     from coreply.readers import read_pool
     from index_builder.withdraw import withdraw
@@ -182,10 +172,7 @@ def _withdraw(args: argparse.Namespace) -> int:
     if not args.ids and not args.texts and not args.filter:
         raise CliError("withdraw: name the responses with --ids, --texts or --filter (or several)")
     texts = read_pool(args.texts)[0] if args.texts else []
-    matched = [i for i, _, _ in _matching(args.bundle, args.filter)] if args.filter else []
-    if args.filter and not matched:
-        print(f"note: --filter: no response of {args.bundle} matches it")
-    manifest, changed, unknown = withdraw(args.bundle, [*args.ids, *matched], texts, args.restore)
+    manifest, changed, unknown = withdraw(args.bundle, args.ids, texts, args.restore, args.filter)
     if unknown:
         print(f"note: {len(unknown)} of the --texts are not in the bundle (the first: {unknown[0]!r})")
     out = manifest.get("withdrawn", {}).get("count", 0)
@@ -198,6 +185,13 @@ def _withdraw(args: argparse.Namespace) -> int:
 
 
 def cmd_index(args: argparse.Namespace) -> int:
+    try:
+        return _index(args)
+    except FilterError as exc:  # `info --filter`, `withdraw --filter`
+        raise CliError(f"--filter: {exc}") from None
+
+
+def _index(args: argparse.Namespace) -> int:
     from coreply.readers import read_pairs, read_pool
 
     if args.index_command == "info":
@@ -212,7 +206,9 @@ def cmd_index(args: argparse.Namespace) -> int:
             for i, text in withdrawn_of(Path(args.bundle))[1]:
                 print(json.dumps({"id": i, "text": text}, ensure_ascii=False))
         elif args.filter:
-            for i, text, metadata in _matching(args.bundle, args.filter):
+            from index_builder.info import matching
+
+            for i, text, metadata in matching(args.bundle, args.filter):
                 print(json.dumps({"id": i, "text": text, "metadata": metadata}, ensure_ascii=False))
         else:
             for label, value in describe(args.bundle):

@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from coreply.artifacts import changes, link_or_copy, staging
 from coreply.bundle import (
     MANIFEST,
@@ -21,6 +23,7 @@ from coreply.bundle import (
     read_withdrawn,
     write_withdrawn,
 )
+from coreply.filters import Filter
 from coreply.text import normalize
 
 LOG = logging.getLogger(__name__)
@@ -28,13 +31,19 @@ LOG = logging.getLogger(__name__)
 
 @changes("coreply index withdraw", MANIFEST)
 def withdraw(
-    path: str | Path, ids: Sequence[int] = (), texts: Sequence[str] = (), restore: bool = False
+    path: str | Path,
+    ids: Sequence[int] = (),
+    texts: Sequence[str] = (),
+    restore: bool = False,
+    where: Filter | None = None,
 ) -> tuple[dict[str, Any], int, list[str]]:
-    """Withdraw responses from what a bundle answers, by id or by text (matched as the pool holds it,
-    normalised), or with ``restore`` put them back: no row moves and nothing is re-encoded, so the ids a
-    client holds stay valid. The BM25 statistics still count a withdrawn response (a lexical stage only
-    reorders candidates). The bundle is rewritten atomically. Returns (the manifest, how many changed,
-    the given texts the pool does not hold)."""
+    """Withdraw responses from what a bundle answers, by id, by text (matched as the pool holds it,
+    normalised) or by metadata (``where``, as a request's filter reads it; a
+    :class:`~coreply.filters.FilterError` where it cannot match as meant), or with ``restore`` put them
+    back: no row moves and nothing is re-encoded, so the ids a client holds stay valid. The BM25
+    statistics still count a withdrawn response (a lexical stage only reorders candidates). The bundle is
+    rewritten atomically. Returns (the manifest, how many changed, the given texts the pool does not
+    hold)."""
     root = Path(path)
     bundle = load_bundle(root)
     count = len(bundle.texts)
@@ -43,7 +52,8 @@ def withdraw(
             raise ValueError(f"--ids: {i} is not a response of this bundle (its ids are 0 to {count - 1})")
     found = _rows_of(bundle.keys, texts)
     unknown = [t for t, i in zip(texts, found, strict=True) if i is None]
-    chosen = {*ids, *(i for i in found if i is not None)}
+    matched = [] if where is None else np.flatnonzero(bundle.filters.allowed(where)).tolist()
+    chosen = {*ids, *(i for i in found if i is not None), *matched}
     now = bundle.withdrawn - chosen if restore else bundle.withdrawn | chosen
     if len(now) > MAX_WITHDRAWN:
         raise ValueError(
