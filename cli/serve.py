@@ -29,6 +29,12 @@ def serve_parser(sub) -> None:
     p.add_argument(
         "--device", default=None, help="cpu, cuda, cuda:N or auto (env COREPLY_DEVICE; default cpu)"
     )
+    p.add_argument(
+        "--api-keys-file",
+        default=None,
+        help="a JSON file of named API keys, each optionally scoped by a filter its answers meet "
+        '(env COREPLY_API_KEYS_FILE): {"NAME": {"key": "...", "filter": {...}}}',
+    )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -37,7 +43,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from coreply.bundle import MANIFEST
     from service.settings import DEFAULT_BUNDLE, Settings
 
-    flags = ("bundle", "host", "port", "backend", "threads", "device")
+    flags = ("bundle", "host", "port", "backend", "threads", "device", "api_keys_file")
     overrides = {k: getattr(args, k) for k in flags if getattr(args, k) is not None}
     try:
         settings = Settings(**overrides)
@@ -64,6 +70,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from coreply.bundle import read_manifest
 
         read_manifest(settings.bundle)
+    if settings.keys.scoped:  # a key's filter this pool cannot read is said here, not in the server's log
+        from coreply.bundle import RESPONSES, read_responses
+        from coreply.filters import MetadataIndex
+        from service.keys import scope_masks
+
+        try:
+            scope_masks(settings.keys, MetadataIndex(read_responses(settings.bundle / RESPONSES)[1]))
+        except ValueError as exc:
+            raise CliError(f"--api-keys-file / COREPLY_API_KEYS_FILE: {exc}") from None
     from service.server import serve
 
     serve(settings)

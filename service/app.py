@@ -78,7 +78,10 @@ class Guard:
         finally:
             elapsed = time.perf_counter() - started
             self.metrics.in_flight.dec()
-            self.metrics.requests.labels(route, f"{status['code'] // 100}xx").inc()
+            status_class = f"{status['code'] // 100}xx"
+            self.metrics.requests.labels(route, status_class).inc()
+            if "key" in note:  # a valid API key was presented (service/deps.py)
+                self.metrics.key_requests.labels(note["key"], status_class).inc()
             self.metrics.latency.labels(route).observe(elapsed)
             fields = {"request_id": rid, "method": scope["method"], "route": route, "status": status["code"]}
             fields |= {"duration_ms": round(1000 * elapsed, 3), **note}

@@ -1,5 +1,5 @@
 """Prometheus metrics of the service. Labels are bounded: route templates (unknown paths share one
-label), status classes (2xx..5xx), fixed stage names."""
+label), status classes (2xx..5xx), fixed stage names, the configured API keys' names."""
 
 from __future__ import annotations
 
@@ -17,6 +17,12 @@ class Metrics:
         r = self.registry
         self.requests = Counter(
             "coreply_requests", "HTTP requests by route and status class", ["route", "status"], registry=r
+        )
+        self.key_requests = Counter(
+            "coreply_key_requests",
+            "Requests that presented a valid API key, by the key's name and status class",
+            ["key", "status"],
+            registry=r,
         )
         self.latency = Histogram(
             "coreply_request_duration_seconds",

@@ -52,7 +52,8 @@ def build_router(settings: Settings, request_model: type) -> APIRouter:
             note["context"] = body.context
         if body.fusion in ("rerank", "sum", "zscore") and not engine.pipeline.reranker:
             raise NeedsReranker(f"{body.fusion!r} needs a reranker and this bundle has none")
-        result = await engine.respond(make_job(body, engine, state.deadline(timeout_ms)))
+        key = getattr(request.state, "key", None)  # the API key that matched, if keys are on
+        result = await engine.respond(make_job(body, engine, state.deadline(timeout_ms), key))
         note["timings_ms"] = result["timings_ms"]
         if settings.log_text:
             note["responses"] = [r["text"] for r in result["responses"]]

@@ -136,7 +136,7 @@ def respond_request_model(settings: Settings) -> type[RespondBase]:
                 f"$and and $or (a list of filters) and $not (one filter), {NESTED} deep. A field no "
                 "response has, or an operator that cannot match as meant, is a 422 naming it. At most "
                 f"{CONDITIONS} conditions in all and {VALUES} values a list. The search runs within the "
-                "responses allowed",
+                "responses allowed; with an API key scoped by a filter of its own, within those both allow",
                 examples=[{"locale": "en", "intent": ["refund", "billing"], "price": {"$lt": 20}}],
             ),
         ),

@@ -5,14 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from service.keys import KeyRing, env_keys, read_key_file
 
 DEFAULT_BUNDLE = Path("artifacts/default-bundle")
 
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="COREPLY_", extra="ignore", allow_inf_nan=False)
+    _keys: KeyRing = PrivateAttr(default_factory=lambda: KeyRing(()))
 
     bundle: Path = Field(DEFAULT_BUNDLE, description="bundle directory (`coreply index build`)")
     host: str = "127.0.0.1"
@@ -92,13 +95,19 @@ class Settings(BaseSettings):
     # optional API keys: requests to non-public routes need one (`Authorization: Bearer <key>` or
     # `X-API-Key: <key>`); several keys allow rotation
     api_keys: str = Field("", repr=False, description="comma-separated API keys; empty = no auth")
+    api_keys_file: Path | None = Field(
+        None,
+        description="a JSON file of named API keys, each optionally scoped by a filter that every answer "
+        "to its requests meets (service/keys.py); with COREPLY_API_KEYS, both sets are accepted",
+    )
     public_routes: str = Field(
         "/healthz,/readyz,/metrics", description="comma-separated routes that never need a key"
     )
 
     @property
-    def keys(self) -> tuple[str, ...]:
-        return tuple(k.strip() for k in self.api_keys.split(",") if k.strip())
+    def keys(self) -> KeyRing:
+        """Every accepted key: ``api_keys`` (named ``default``) and ``api_keys_file``'s, read at start."""
+        return self._keys
 
     @property
     def public(self) -> frozenset[str]:
@@ -111,6 +120,13 @@ class Settings(BaseSettings):
 
         return check_device_name(value)  # whether this host has it is checked at start
 
+    @field_validator("api_keys_file")
+    @classmethod
+    def _key_file(cls, value: Path | None) -> Path | None:
+        if value is not None:
+            read_key_file(value)  # said against the file's own setting; read again once all are known
+        return value
+
     @model_validator(mode="after")
     def _consistent(self) -> Settings:
         if self.cascade_low_ms > self.cascade_high_ms:
@@ -119,4 +135,15 @@ class Settings(BaseSettings):
         if self.default_candidates > self.max_candidates:
             n, most = self.default_candidates, self.max_candidates
             raise ValueError(f"COREPLY_DEFAULT_CANDIDATES ({n}) exceeds COREPLY_MAX_CANDIDATES ({most})")
+        keys = env_keys(self.api_keys)
+        named = [] if self.api_keys_file is None else read_key_file(self.api_keys_file)
+        if shared := {k.secret for k in keys} & {k.secret for k in named}:
+            name = next(k.name for k in named if k.secret in shared)
+            raise ValueError(f"{self.api_keys_file}: {name!r} holds a key COREPLY_API_KEYS also holds")
+        self._keys = KeyRing(keys + named)
+        if self._keys.scoped and "/respond" in self.public:
+            raise ValueError(
+                "COREPLY_PUBLIC_ROUTES opens /respond to everyone, so the filters of COREPLY_API_KEYS_FILE "
+                "would scope nothing; take /respond out"
+            )
         return self

@@ -24,6 +24,7 @@ from coreply.device import on_own_thread
 from coreply.filters import FilterError
 from coreply.ranking import Query
 from service.engine import Engine, Job
+from service.keys import ApiKey
 from service.metrics import Metrics
 from service.settings import Settings
 
@@ -31,8 +32,9 @@ LOG = logging.getLogger("coreply.service")
 GOLDEN = ["hello! how are you?"]  # the warm-up request; a bundle must answer it before it serves
 
 
-def make_job(body: Any, engine: Engine, deadline: float | None = None) -> Job:
-    """A validated request body as the engine's job; ``top_k`` over ``n_candidates`` is a 422."""
+def make_job(body: Any, engine: Engine, deadline: float | None = None, key: ApiKey | None = None) -> Job:
+    """A validated request body as the engine's job; ``top_k`` over ``n_candidates`` is a 422. A scoped
+    ``key`` (service/keys.py) allows only what its filter does, whatever the body's own filter says."""
     n = body.n_candidates or max(engine.settings.default_candidates, body.top_k)
     if body.top_k > n:
         msg = f"top_k ({body.top_k}) exceeds n_candidates ({n})"
@@ -45,6 +47,8 @@ def make_job(body: Any, engine: Engine, deadline: float | None = None) -> Job:
     except FilterError as exc:
         loc = ("body", "filter", exc.field)
         raise RequestValidationError([{"loc": loc, "msg": exc.message, "type": "value_error"}]) from None
+    if key is not None and (scope := engine.scopes.get(key.name)) is not None:
+        allow = scope if allow is None else allow & scope
     query = Query(
         context=tuple(body.context),
         exclude_texts=tuple(x for x in body.exclude if isinstance(x, str)),
@@ -101,6 +105,14 @@ class ServiceState:
         self.metrics.bundle.labels(bundle.version).set(1)
         self.metrics.pool.labels("answerable").set(len(bundle.texts) - len(bundle.withdrawn))
         self.metrics.pool.labels("withdrawn").set(len(bundle.withdrawn))
+        if engine.scopes:  # what each scoped API key may be answered with in this pool
+            allowed = {name: int(mask.sum()) for name, mask in engine.scopes.items()}
+            LOG.info("API key scopes", extra={"fields": {"bundle": bundle.version, "responses": allowed}})
+            if none := sorted(name for name, n in allowed.items() if not n):
+                LOG.warning(
+                    "API keys whose filter allows no response of this pool: their answers are the fallback",
+                    extra={"fields": {"bundle": bundle.version, "keys": none}},
+                )
 
     async def start(self) -> None:
         self.engine = await self._open()

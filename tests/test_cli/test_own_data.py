@@ -146,6 +146,20 @@ def test_serve_names_an_environment_only_setting_without_a_flag(capsys, monkeypa
     assert code == 2 and "COREPLY_DEFAULT_CANDIDATES (500) exceeds COREPLY_MAX_CANDIDATES (100)" in err, err
 
 
+def test_serve_says_in_one_line_what_is_wrong_with_a_key_file(capsys, tmp_path, tiny_bundle):
+    """A file that is no key file, and a key scoped by a field the bundle's pool lacks, are each one line
+    naming the flag before anything is served."""
+    keys = tmp_path / "keys.json"
+    keys.write_text('{"bot": {"key": "k", "filter": {"locale": "de"}}, "ops": {"key": "k"}}')
+    code, _, err = run(capsys, "serve", "--bundle", str(tiny_bundle), "--api-keys-file", str(keys))
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"--api-keys-file / COREPLY_API_KEYS_FILE: {keys}: 'ops': the same key as 'bot'" in err
+    keys.write_text('{"bot": {"key": "k", "filter": {"locale": "de"}}}')
+    code, _, err = run(capsys, "serve", "--bundle", str(tiny_bundle), "--api-keys-file", str(keys))
+    assert code == 2 and err.count("\n") == 1, err
+    assert "--api-keys-file / COREPLY_API_KEYS_FILE: API key 'bot': its filter.locale: no response" in err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this host has CUDA")
 def test_cuda_on_a_host_without_it_is_a_message_not_a_traceback_in_a_log_line(capsys):
     code, _, err = run(capsys, "serve", "--device", "cuda")

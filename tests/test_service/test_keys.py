@@ -1,0 +1,186 @@
+"""Named and scoped API keys (service/keys.py): the key file is refused whole when any entry is wrong,
+and a scoped key is answered only from the responses its filter allows, on every route it reaches and
+through a reload."""
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import TOPICS
+from fastapi.testclient import TestClient
+from pydantic import ValidationError
+
+from index_builder.build import build_bundle
+from service.app import create_app
+from service.keys import KeyRing, env_keys, read_key_file
+from service.settings import Settings
+
+PET = {"context": [TOPICS["pet"][0]], "fusion": "retrieval"}
+
+
+@pytest.fixture(scope="module")
+def tagged_bundle(tmp_path_factory, tiny_core):
+    """TOPICS' answers, each with an intent, a locale (en, de alternately) and a rank."""
+    root = tmp_path_factory.mktemp("tagged") / "b"
+    answers = [a for _, a in TOPICS.values()]
+    metadata = [{"intent": t, "locale": "en" if i % 2 else "de", "rank": i} for i, t in enumerate(TOPICS)]
+    build_bundle(root, answers, bi=str(tiny_core / "bi"), onnx="none", progress=False, metadata=metadata)
+    return root
+
+
+def key_file(tmp_path, entries) -> str:
+    path = tmp_path / "keys.json"
+    path.write_text(entries if isinstance(entries, str) else json.dumps(entries))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "entries, says",
+    [
+        ("{", "not JSON"),
+        ({}, "holds no keys"),
+        ([{"key": "a"}], "holds no keys"),
+        ({"bad name": {"key": "a"}}, "'bad name': a name is 1-64 letters"),
+        ({"default": {"key": "a"}}, "and not 'default'"),
+        ({"bot": "a"}, "'bot': write {\"key\""),
+        ({"bot": {"filter": {"x": 1}}}, "'bot': write {\"key\""),
+        ({"bot": {"key": "a", "scope": {"x": 1}}}, "'bot': write {\"key\""),
+        ({"bot": {"key": ""}}, "'bot': the key is a text without spaces"),
+        ({"bot": {"key": " a"}}, "'bot': the key is a text without spaces"),
+        ({"bot": {"key": 7}}, "'bot': the key is a text without spaces"),
+        ({"a": {"key": "same"}, "b": {"key": "same"}}, "'b': the same key as 'a'"),
+        ({"bot": {"key": "a", "filter": ["x"]}}, "'bot': the filter is a JSON object"),
+        ('{"bot": {"key": "a"}, "bot": {"key": "b"}}', "'bot' is given twice"),
+        ('{"bot": {"key": "a", "filter": {"x": 1, "x": 2}}}', "'x' is given twice"),
+    ],
+)
+def test_a_key_file_with_any_wrong_entry_is_refused_naming_it(tmp_path, entries, says):
+    path = key_file(tmp_path, entries)
+    with pytest.raises(ValueError, match=r"keys\.json: ") as got:
+        read_key_file(Path(path))
+    assert says in str(got.value)
+    with pytest.raises(ValidationError) as got:  # the setting refuses it the same way, at start
+        Settings(api_keys_file=path)
+    assert got.value.errors()[0]["loc"] == ("api_keys_file",) and says in str(got.value)
+
+
+def test_keys_that_would_be_ambiguous_or_scope_nothing_are_refused(tmp_path):
+    with pytest.raises(ValidationError, match="'bot' holds a key COREPLY_API_KEYS also holds"):
+        Settings(api_keys="k1,k2", api_keys_file=key_file(tmp_path, {"bot": {"key": "k2"}}))
+    scoped = key_file(tmp_path, {"bot": {"key": "k", "filter": {"locale": "de"}}})
+    with pytest.raises(ValidationError, match="opens /respond to everyone"):
+        Settings(api_keys_file=scoped, public_routes="/healthz,/respond")
+    with pytest.raises(ValidationError, match="cannot read it"):
+        Settings(api_keys_file=str(tmp_path / "missing.json"))
+
+
+def test_the_ring_matches_each_key_to_its_name_and_nothing_else(tmp_path):
+    entries = {"bot": {"key": "kb", "filter": {"x": 1}}, "ops": {"key": "ko", "filter": {}}}
+    named = read_key_file(Path(key_file(tmp_path, entries)))
+    ring = KeyRing(env_keys(" k1, ,k2 ") + named)
+    assert [(k.name, k.scope) for k in ring.keys] == [
+        ("default", None),
+        ("default", None),
+        ("bot", {"x": 1}),
+        ("ops", None),  # an empty filter allows everything: not a scope
+    ]
+    assert [k.name for k in ring.scoped] == ["bot"]
+    assert ring.match(b"kb").name == "bot" and ring.match(b"k2").name == "default"
+    for wrong in (b"", b"k", b"kb ", b"k1k2", b"KB"):
+        assert ring.match(wrong) is None
+    assert "kb" not in repr(ring.keys)  # a key never shows in a log or a traceback
+    assert not KeyRing(env_keys(""))
+
+
+def test_a_scoped_key_is_answered_only_within_its_filter(tagged_bundle, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="coreply")
+    keys = {
+        "de-bot": {"key": "k-de", "filter": {"locale": "de"}},
+        "ops": {"key": "k-ops"},
+        "later": {"key": "k-later", "filter": {"intent": "farewell"}},  # nothing in this pool yet
+    }
+    settings = Settings(
+        bundle=tagged_bundle,
+        threads=1,
+        api_keys="k-env",
+        api_keys_file=key_file(tmp_path, keys),
+        fallback_text="Let me get a human.",
+    )
+    with TestClient(create_app(settings)) as c:
+
+        def ask(key, **extra):
+            return c.post("/respond", json=PET | extra, headers={"X-API-Key": key}).json()
+
+        every = len(TOPICS)
+        ranked = ask("k-ops", top_k=every, n_candidates=every)["responses"]  # unscoped: the whole pool
+        assert len(ranked) == every
+        assert [r["id"] for r in ask("k-env", top_k=every, n_candidates=every)["responses"]] == [
+            r["id"] for r in ranked
+        ]
+        german = [r["id"] for r in ranked if r["metadata"]["locale"] == "de"]
+        got = ask("k-de", top_k=3)
+        assert [r["id"] for r in got["responses"]] == german[:3] and got["fallback"] is None
+        # the request's own filter is met together with the key's, never instead of it
+        sport_or_pet = {"intent": {"$in": ["sport", "pet"]}}
+        both = [
+            r["id"]
+            for r in ranked
+            if r["metadata"]["locale"] == "de" and r["metadata"]["intent"] in ("sport", "pet")
+        ]
+        assert [r["id"] for r in ask("k-de", top_k=3, filter=sport_or_pet)["responses"]] == both[:3]
+        outside = ask("k-de", filter={"locale": "en"})
+        assert outside["responses"] == [] and outside["fallback"] == "Let me get a human."
+        widened = ask(
+            "k-de", top_k=every, n_candidates=every, filter={"$or": [{"locale": "en"}, {"rank": {"$gte": 0}}]}
+        )
+        assert {r["metadata"]["locale"] for r in widened["responses"]} == {"de"}
+        assert ask("k-later")["responses"] == [] and ask("k-later")["fallback"] == "Let me get a human."
+        r = c.post("/respond", json=PET, headers={"Authorization": "Bearer k-nobody"})
+        assert r.status_code == 401
+        metrics = c.get("/metrics", headers={"Authorization": "Bearer k-de"}).text
+    assert 'coreply_key_requests_total{key="de-bot",status="2xx"} 4.0' in metrics  # not yet /metrics
+    assert 'coreply_key_requests_total{key="later",status="2xx"} 2.0' in metrics
+    assert 'coreply_key_requests_total{key="default",status="2xx"} 1.0' in metrics
+    lines = [
+        r.fields for r in caplog.records if r.name == "coreply.access" and r.fields["route"] == "/respond"
+    ]
+    assert [line.get("key") for line in lines] == [
+        "ops",
+        "default",
+        "de-bot",
+        "de-bot",
+        "de-bot",
+        "de-bot",
+        "later",
+        "later",
+        None,
+    ]
+    logged = json.dumps([getattr(r, "fields", {}) for r in caplog.records])
+    assert "k-de" not in logged and "k-ops" not in logged  # names, never keys
+    (scopes,) = [r.fields for r in caplog.records if r.getMessage() == "API key scopes"]
+    assert scopes["responses"] == {"de-bot": len(german), "later": 0}
+    (empty,) = [
+        r.fields
+        for r in caplog.records
+        if r.levelname == "WARNING" and "allows no response" in r.getMessage()
+    ]
+    assert empty["keys"] == ["later"]
+
+
+def test_a_bundle_a_key_scope_cannot_read_is_never_served(tagged_bundle, tiny_bundle, tmp_path):
+    """At start the service does not come up; on a reload the live bundle keeps serving, scoped."""
+    keys = key_file(tmp_path, {"de-bot": {"key": "k-de", "filter": {"locale": "de"}}})
+    unreadable = create_app(Settings(bundle=tiny_bundle, threads=1, api_keys_file=keys))
+    with pytest.raises(ValueError, match=r"API key 'de-bot': its filter\.locale: no response in this pool"):
+        TestClient(unreadable).__enter__()
+    current = tmp_path / "current"
+    current.symlink_to(shutil.copytree(tagged_bundle, tmp_path / "v1"))
+    app = create_app(Settings(bundle=current, threads=1, api_keys_file=keys))
+    with TestClient(app) as c:
+        current.unlink()
+        current.symlink_to(tiny_bundle)  # a pool without the field the key's filter reads
+        assert c.portal.call(app.reload) is False
+        body = c.post("/respond", json=PET | {"top_k": 5}, headers={"X-API-Key": "k-de"}).json()
+        assert body["responses"] and {r["metadata"]["locale"] for r in body["responses"]} == {"de"}
