@@ -32,8 +32,9 @@ def serve_parser(sub) -> None:
     p.add_argument(
         "--api-keys-file",
         default=None,
-        help="a JSON file of named API keys, each optionally scoped by a filter its answers meet "
-        '(env COREPLY_API_KEYS_FILE): {"NAME": {"key": "...", "filter": {...}}}',
+        help="a JSON file of named API keys, each optionally scoped by a filter its answers meet and "
+        "limited in requests at once (env COREPLY_API_KEYS_FILE): "
+        '{"NAME": {"key": "...", "filter": {...}, "max_in_flight": N}}',
     )
 
 

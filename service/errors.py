@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from service.batching import DeadlineExceeded, Overloaded
+from service.keys import TooManyRequests
 
 
 class NotReady(Exception):
@@ -43,6 +44,7 @@ STATUS: dict[type[Exception], tuple[int, str, dict[str, str]]] = {
     Overloaded: (503, "overloaded", RETRY),
     DeadlineExceeded: (504, "deadline exceeded", {}),
     Unauthorized: (401, "missing or invalid API key", {"WWW-Authenticate": "Bearer"}),
+    TooManyRequests: (429, "too many requests", RETRY),
     NeedsReranker: (422, "fusion", {}),
     BodyTooLarge: (413, "request body too large", {}),
 }

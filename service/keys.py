@@ -3,20 +3,23 @@
 Keys come from ``COREPLY_API_KEYS`` (comma-separated, all named ``default``: several for rotation) and
 from ``COREPLY_API_KEYS_FILE``, a JSON object of named keys, each optionally scoped by a filter::
 
-    {"support-bot": {"key": "...", "filter": {"bot": "support"}},
+    {"support-bot": {"key": "...", "filter": {"bot": "support"}, "max_in_flight": 8},
      "ops": {"key": "..."}}
 
 A scoped key's requests are answered only from the responses its filter allows, read as a request's
 ``filter`` is (coreply/filters.py), and met together with the request's own. One deployment can so
-serve several bots, or several customers, from one pool without one ever seeing another's replies. The
-names, never the keys, go into the access log and the metrics."""
+serve several bots, or several customers, from one pool without one ever seeing another's replies, and
+``max_in_flight`` keeps one of them from filling the queue the others share. The names, never the
+keys, go into the access log and the metrics."""
 
 from __future__ import annotations
 
 import hmac
 import json
 import re
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,8 +30,9 @@ from coreply.filters import FilterError, MetadataIndex
 
 ENV_NAME = "default"  # the name of every COREPLY_API_KEYS key
 NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
-ENTRY = {"key", "filter"}
-SHAPE = '{"NAME": {"key": "...", "filter": {...}}, ...}'
+ENTRY = {"key", "filter", "max_in_flight"}
+ENTRY_SHAPE = '{"key": "...", "filter": {...}, "max_in_flight": N}'
+SHAPE = f'{{"NAME": {ENTRY_SHAPE}, ...}}'
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,11 @@ class ApiKey:
     name: str
     secret: bytes = field(repr=False)
     scope: dict[str, Any] | None = None  # a filter over the pool's metadata; None: every response
+    max_in_flight: int | None = None  # most of its /respond requests admitted at once; None: no limit
+
+
+class TooManyRequests(Exception):
+    """A key already has its ``max_in_flight`` requests admitted."""
 
 
 class KeyRing:
@@ -52,6 +61,29 @@ class KeyRing:
     def match(self, given: bytes) -> ApiKey | None:
         hits = [hmac.compare_digest(given, key.secret) for key in self.keys]  # every key, always
         return self.keys[hits.index(True)] if any(hits) else None
+
+
+class Admission:
+    """Each key's ``/respond`` requests admitted now, held against its ``max_in_flight``, so that one
+    caller flooding the service is refused with 429 while the others' requests still find the queue."""
+
+    def __init__(self) -> None:
+        self.in_flight: Counter[str] = Counter()
+
+    @contextmanager
+    def hold(self, key: ApiKey | None) -> Iterator[None]:
+        """One of ``key``'s places for the block; :class:`TooManyRequests` when it has none left. One
+        event loop admits, so the count needs no lock."""
+        if key is None or key.max_in_flight is None:
+            yield
+            return
+        if self.in_flight[key.name] >= key.max_in_flight:
+            raise TooManyRequests(f"{key.name!r} has its {key.max_in_flight} requests in flight")
+        self.in_flight[key.name] += 1
+        try:
+            yield
+        finally:
+            self.in_flight[key.name] -= 1
 
 
 def env_keys(value: str) -> list[ApiKey]:
@@ -88,7 +120,7 @@ def read_key_file(path: Path) -> list[ApiKey]:
         if not NAME.fullmatch(name) or name == ENV_NAME:
             raise ValueError(f"{at}: a name is 1-64 letters, digits, '.', '_' or '-', and not {ENV_NAME!r}")
         if not isinstance(entry, dict) or "key" not in entry or set(entry) - ENTRY:
-            raise ValueError(f'{at}: write {{"key": "...", "filter": {{...}}}} (the filter optional)')
+            raise ValueError(f"{at}: write {ENTRY_SHAPE} (the filter and the limit optional)")
         secret = entry["key"]
         if not isinstance(secret, str) or not secret.strip() or secret != secret.strip():
             raise ValueError(f"{at}: the key is a text without spaces at either end")
@@ -98,7 +130,10 @@ def read_key_file(path: Path) -> list[ApiKey]:
         scope = entry.get("filter")
         if scope is not None and not isinstance(scope, dict):
             raise ValueError(f"{at}: the filter is a JSON object, as a request's `filter` is")
-        keys.append(ApiKey(name, secret.encode(), scope or None))
+        limit = entry.get("max_in_flight")
+        if limit is not None and (type(limit) is not int or limit < 1):
+            raise ValueError(f"{at}: max_in_flight is a whole number of requests, at least 1")
+        keys.append(ApiKey(name, secret.encode(), scope or None, limit))
     return keys
 
 

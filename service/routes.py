@@ -28,7 +28,7 @@ def build_router(settings: Settings, request_model: type) -> APIRouter:
     @router.post(
         "/respond",
         response_model=RespondResponse,
-        responses=_errors(400, 401, 413, 422, 503, 504),
+        responses=_errors(400, 401, 413, 422, 429, 503, 504),
         dependencies=[Depends(key_check(settings, "/respond"))],
     )
     async def respond(
@@ -53,7 +53,9 @@ def build_router(settings: Settings, request_model: type) -> APIRouter:
         if body.fusion in ("rerank", "sum", "zscore") and not engine.pipeline.reranker:
             raise NeedsReranker(f"{body.fusion!r} needs a reranker and this bundle has none")
         key = getattr(request.state, "key", None)  # the API key that matched, if keys are on
-        result = await engine.respond(make_job(body, engine, state.deadline(timeout_ms), key))
+        job = make_job(body, engine, state.deadline(timeout_ms), key)
+        with state.admission.hold(key):
+            result = await engine.respond(job)
         note["timings_ms"] = result["timings_ms"]
         if settings.log_text:
             note["responses"] = [r["text"] for r in result["responses"]]

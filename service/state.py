@@ -24,7 +24,7 @@ from coreply.device import on_own_thread
 from coreply.filters import FilterError
 from coreply.ranking import Query
 from service.engine import Engine, Job
-from service.keys import ApiKey
+from service.keys import Admission, ApiKey
 from service.metrics import Metrics
 from service.settings import Settings
 
@@ -75,6 +75,7 @@ class ServiceState:
         self.engine: Engine | None = None
         self.ready = False
         self.draining = False
+        self.admission = Admission()  # each API key's requests in flight, against its limit
         self._reloading = asyncio.Lock()
 
     async def _warm(self, engine: Engine) -> None:

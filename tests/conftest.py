@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -205,3 +206,30 @@ def check_drain_under_load(base: str, body: dict, terminate: Callable[[], None],
     kinds = [kind for kind, _ in outcomes]
     assert set(kinds) <= {"ok", "refused"}, [k for k in kinds if k not in ("ok", "refused")]
     assert sum(1 for kind, at in outcomes if kind == "ok" and at > sent) > 0
+
+
+class Gate:
+    """Wraps an engine factory: once ``close()``d, context encoding blocks until ``opened.set()`` (10 s at
+    most); ``entered`` is set when a batch reaches it."""
+
+    def __init__(self) -> None:
+        self.opened, self.entered = threading.Event(), threading.Event()
+        self.opened.set()
+
+    def factory(self, settings, metrics):
+        from service.engine import load_engine
+
+        engine = load_engine(settings, metrics)
+        encode = engine.backend.encode_contexts
+
+        def gated(contexts):
+            self.entered.set()
+            self.opened.wait(10)
+            return encode(contexts)
+
+        engine.backend.encode_contexts = gated
+        return engine
+
+    def close(self) -> None:
+        self.entered.clear()
+        self.opened.clear()

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from conftest import TOPICS
+from conftest import TOPICS, Gate
 from fastapi.testclient import TestClient
 
 from coreply.bundle import load_bundle
@@ -590,34 +590,6 @@ def test_a_job_past_its_deadline_is_answered_then_and_never_run():
     waited, done = run_batcher(scenario)
     assert 0.09 <= waited < 1.0  # answered at its deadline, not when the worker got to it
     assert done.result == "first" and seen == ["first"]  # the expired job never reached the model
-
-
-class Gate:
-    """Wraps an engine factory: once ``close()``d, context encoding blocks until ``open()``."""
-
-    def __init__(self) -> None:
-        import threading
-
-        self.opened, self.entered = threading.Event(), threading.Event()
-        self.opened.set()
-
-    def factory(self, settings, metrics):
-        from service.engine import load_engine
-
-        engine = load_engine(settings, metrics)
-        encode = engine.backend.encode_contexts
-
-        def gated(contexts):
-            self.entered.set()
-            self.opened.wait(10)
-            return encode(contexts)
-
-        engine.backend.encode_contexts = gated
-        return engine
-
-    def close(self) -> None:
-        self.entered.clear()
-        self.opened.clear()
 
 
 def test_queue_of_q_plus_k_more_requests_sheds_exactly_k_and_serves_the_rest(tiny_bundle):

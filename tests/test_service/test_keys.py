@@ -5,10 +5,12 @@ through a reload."""
 import json
 import logging
 import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import TOPICS
+from conftest import TOPICS, Gate
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
@@ -54,6 +56,10 @@ def key_file(tmp_path, entries) -> str:
         ({"bot": {"key": "a", "filter": ["x"]}}, "'bot': the filter is a JSON object"),
         ('{"bot": {"key": "a"}, "bot": {"key": "b"}}', "'bot' is given twice"),
         ('{"bot": {"key": "a", "filter": {"x": 1, "x": 2}}}', "'x' is given twice"),
+        *(
+            ({"bot": {"key": "a", "max_in_flight": n}}, "'bot': max_in_flight is a whole")
+            for n in (0, -1, "4", 1.5, True)
+        ),
     ],
 )
 def test_a_key_file_with_any_wrong_entry_is_refused_naming_it(tmp_path, entries, says):
@@ -184,3 +190,41 @@ def test_a_bundle_a_key_scope_cannot_read_is_never_served(tagged_bundle, tiny_bu
         assert c.portal.call(app.reload) is False
         body = c.post("/respond", json=PET | {"top_k": 5}, headers={"X-API-Key": "k-de"}).json()
         assert body["responses"] and {r["metadata"]["locale"] for r in body["responses"]} == {"de"}
+
+
+def test_a_key_at_its_limit_is_refused_while_other_keys_are_served(tiny_bundle, tmp_path):
+    """``max_in_flight``: a key's requests past its limit are a 429 with Retry-After at once, another
+    key's still queue and are served, and a place comes back when a request ends, whatever its end."""
+    keys = {"greedy": {"key": "k-g", "max_in_flight": 2}, "polite": {"key": "k-p"}}
+    gate = Gate()
+    app = create_app(
+        Settings(bundle=tiny_bundle, threads=1, batch_max_contexts=1, api_keys_file=key_file(tmp_path, keys)),
+        gate.factory,
+    )
+    hello = {"context": ["hello"]}
+    as_greedy, as_polite = {"X-API-Key": "k-g"}, {"X-API-Key": "k-p"}
+    with TestClient(app) as c, ThreadPoolExecutor(4) as pool:
+        gate.close()
+        held = [pool.submit(c.post, "/respond", json=hello, headers=as_greedy)]
+        assert gate.entered.wait(10)  # one greedy request holds the model
+        held.append(pool.submit(c.post, "/respond", json=hello, headers=as_greedy))  # one queued
+        polite = pool.submit(c.post, "/respond", json=hello, headers=as_polite)
+        deadline = time.monotonic() + 10
+        while app.state.admission.in_flight["greedy"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        refused = c.post("/respond", json=hello, headers=as_greedy)
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+        assert refused.json()["error"] == "too many requests: 'greedy' has its 2 requests in flight"
+        late = c.post("/respond", json=hello, headers=as_greedy | {"X-Request-Timeout-Ms": "1"})
+        assert late.status_code == 429  # refused before it could queue
+        gate.opened.set()
+        assert [f.result().status_code for f in [*held, polite]] == [200, 200, 200]
+        assert app.state.admission.in_flight["greedy"] == 0
+        gate.close()
+        timed_out = pool.submit(c.post, "/respond", json=hello, headers=as_polite)
+        assert gate.entered.wait(10)
+        ended = c.post("/respond", json=hello, headers=as_greedy | {"X-Request-Timeout-Ms": "50"})
+        gate.opened.set()
+        assert ended.status_code == 504 and timed_out.result().status_code == 200
+        assert app.state.admission.in_flight["greedy"] == 0  # a place comes back from a 504 too
+        assert c.post("/respond", json=hello, headers=as_greedy).status_code == 200
