@@ -120,11 +120,13 @@ class Settings(BaseSettings):
 
         return check_device_name(value)  # whether this host has it is checked at start
 
-    @field_validator("api_keys_file")
+    @field_validator("api_keys_file", mode="before")
     @classmethod
-    def _key_file(cls, value: Path | None) -> Path | None:
+    def _key_file(cls, value: object) -> object:
+        if value == "":  # set but empty, as an environment or a ConfigMap often leaves it: no file
+            return None
         if value is not None:
-            read_key_file(value)  # said against the file's own setting; read again once all are known
+            read_key_file(Path(str(value)))  # said against its own setting; read again once all are known
         return value
 
     @model_validator(mode="after")

@@ -80,6 +80,7 @@ def test_keys_that_would_be_ambiguous_or_scope_nothing_are_refused(tmp_path):
         Settings(api_keys_file=scoped, public_routes="/healthz,/respond")
     with pytest.raises(ValidationError, match="cannot read it"):
         Settings(api_keys_file=str(tmp_path / "missing.json"))
+    assert Settings(api_keys_file="").api_keys_file is None  # set but empty: no file, as for no keys
 
 
 def test_the_ring_matches_each_key_to_its_name_and_nothing_else(tmp_path):
