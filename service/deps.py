@@ -34,10 +34,10 @@ EngineDep = Annotated[Engine, Depends(live_engine)]
 
 def key_check(settings: Settings, route: str) -> Callable:
     """A dependency that enforces the API keys on ``route`` unless keys are off or the route is public.
-    The key that matched is ``request.state.key`` (its scope applies to the answer) and its name goes into
+    Presented keys are matched against the live ones (``ServiceState.keys``, read again on SIGHUP). The
+    key that matched is ``request.state.key`` (its scope applies to the answer) and its name goes into
     the access log; the key itself never does."""
-    ring = settings.keys
-    if not ring or route in settings.public:
+    if not settings.keys or route in settings.public:
 
         async def open_route() -> None:
             return None
@@ -47,7 +47,7 @@ def key_check(settings: Settings, route: str) -> Callable:
     async def check(request: Request) -> None:
         auth = request.headers.get("authorization", "")
         given = auth[7:] if auth[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
-        key = ring.match(given.encode())
+        key = request.app.state.service.keys.match(given.encode())
         if key is None:
             raise Unauthorized()
         request.state.key = key

@@ -21,7 +21,6 @@ from coreply.ranking import Candidates, Query, order
 from coreply.responder import replies
 from service.batching import MicroBatcher
 from service.cascade import Cascade
-from service.keys import scope_masks
 from service.metrics import STAGES, Metrics
 from service.settings import Settings
 
@@ -46,7 +45,7 @@ class Engine:
         self.threads = threads  # intra-op threads of the backend
         self.active = 0  # requests in respond() now (a replaced engine stops when this reaches 0)
         self.pipeline = pipeline(bundle, backend)
-        self.scopes = scope_masks(settings.keys, bundle.filters)  # key name -> [N] bool it may be answered
+        self.scopes: dict[str, np.ndarray] = {}  # API key name -> [N] bool it may be answered (the state's)
         self.default_fusion = default_fusion(bundle.manifest)
         self.cascade = (
             Cascade(

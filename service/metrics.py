@@ -73,7 +73,7 @@ class Metrics:
         )
         self.reloads = Counter(
             "coreply_reloads",
-            "Bundle reloads (SIGHUP) by result: ok, unchanged or failed",
+            "Reloads (SIGHUP) of the bundle and API keys by result: ok, unchanged or failed",
             ["result"],
             registry=r,
         )

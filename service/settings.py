@@ -106,7 +106,8 @@ class Settings(BaseSettings):
 
     @property
     def keys(self) -> KeyRing:
-        """Every accepted key: ``api_keys`` (named ``default``) and ``api_keys_file``'s, read at start."""
+        """Every key accepted at start: ``api_keys`` (named ``default``) and ``api_keys_file``'s. The
+        service re-reads them on SIGHUP (``ServiceState.keys`` holds the live ones)."""
         return self._keys
 
     @property
@@ -137,15 +138,21 @@ class Settings(BaseSettings):
         if self.default_candidates > self.max_candidates:
             n, most = self.default_candidates, self.max_candidates
             raise ValueError(f"COREPLY_DEFAULT_CANDIDATES ({n}) exceeds COREPLY_MAX_CANDIDATES ({most})")
+        self._keys = self.read_keys()
+        return self
+
+    def read_keys(self) -> KeyRing:
+        """``api_keys`` and ``api_keys_file`` read now, as at start and on each SIGHUP (service/state.py);
+        a ValueError says what is wrong with them in one line."""
         keys = env_keys(self.api_keys)
         named = [] if self.api_keys_file is None else read_key_file(self.api_keys_file)
         if shared := {k.secret for k in keys} & {k.secret for k in named}:
             name = next(k.name for k in named if k.secret in shared)
             raise ValueError(f"{self.api_keys_file}: {name!r} holds a key COREPLY_API_KEYS also holds")
-        self._keys = KeyRing(keys + named)
-        if self._keys.scoped and "/respond" in self.public:
+        ring = KeyRing(keys + named)
+        if ring.scoped and "/respond" in self.public:
             raise ValueError(
                 "COREPLY_PUBLIC_ROUTES opens /respond to everyone, so the filters of COREPLY_API_KEYS_FILE "
                 "would scope nothing; take /respond out"
             )
-        return self
+        return ring

@@ -5,7 +5,12 @@ A reload loads the configured bundle (e.g. a ``current`` symlink moved to a new 
 live one, verifies and warms it, then swaps it in; requests already running finish on the old one. On
 any failure the old bundle keeps serving, and ``coreply_reloads_total{result="failed"}`` and the log
 say why. A bundle of the live one's version (which covers its files and choices) is verified and left
-as it is: ``result="unchanged"``."""
+as it is: ``result="unchanged"``.
+
+A reload reads the API keys again too (``COREPLY_API_KEYS_FILE``), so a key is added, withdrawn or
+rescoped without a restart. The new keys and their scopes take effect together, with the bundle they are
+checked against; a key file with any wrong entry, or a scope the bundle cannot read, fails the whole
+reload and the live keys and bundle keep serving."""
 
 from __future__ import annotations
 
@@ -24,7 +29,8 @@ from coreply.device import on_own_thread
 from coreply.filters import FilterError
 from coreply.ranking import Query
 from service.engine import Engine, Job
-from service.keys import Admission, ApiKey
+from service.errors import Unauthorized
+from service.keys import Admission, ApiKey, KeyRing, scope_masks
 from service.metrics import Metrics
 from service.settings import Settings
 
@@ -34,7 +40,8 @@ GOLDEN = ["hello! how are you?"]  # the warm-up request; a bundle must answer it
 
 def make_job(body: Any, engine: Engine, deadline: float | None = None, key: ApiKey | None = None) -> Job:
     """A validated request body as the engine's job; ``top_k`` over ``n_candidates`` is a 422. A scoped
-    ``key`` (service/keys.py) allows only what its filter does, whatever the body's own filter says."""
+    ``key`` (service/keys.py) allows only what its filter does, whatever the body's own filter says; one
+    that a reload withdrew after it was checked is a 401, never an answer from the whole pool."""
     n = body.n_candidates or max(engine.settings.default_candidates, body.top_k)
     if body.top_k > n:
         msg = f"top_k ({body.top_k}) exceeds n_candidates ({n})"
@@ -49,6 +56,8 @@ def make_job(body: Any, engine: Engine, deadline: float | None = None, key: ApiK
         raise RequestValidationError([{"loc": loc, "msg": exc.message, "type": "value_error"}]) from None
     if key is not None and (scope := engine.scopes.get(key.name)) is not None:
         allow = scope if allow is None else allow & scope
+    elif key is not None and key.scope is not None:
+        raise Unauthorized(f"the API key {key.name!r} was withdrawn")
     query = Query(
         context=tuple(body.context),
         exclude_texts=tuple(x for x in body.exclude if isinstance(x, str)),
@@ -73,6 +82,7 @@ class ServiceState:
         self.settings, self.metrics = settings, metrics
         self.request_model, self.engine_factory = request_model, engine_factory
         self.engine: Engine | None = None
+        self.keys: KeyRing = settings.keys  # the live API keys; a reload reads them again
         self.ready = False
         self.draining = False
         self.admission = Admission()  # each API key's requests in flight, against its limit
@@ -84,12 +94,15 @@ class ServiceState:
         if not answer["responses"] or not all(math.isfinite(r["score"]) for r in answer["responses"]):
             raise RuntimeError(f"bundle {engine.bundle.version} gave no usable answer to the golden query")
 
-    async def _open(self) -> Engine:
-        """Load, verify (hashes, dimension, count, models), start and warm an engine."""
-        loop = asyncio.get_running_loop()
-        engine = await loop.run_in_executor(
-            None, on_own_thread, self.engine_factory, self.settings, self.metrics
-        )
+    async def _open(self, keys: KeyRing) -> Engine:
+        """Load, verify (hashes, dimension, count, models), scope for ``keys``, start and warm an engine."""
+
+        def load() -> Engine:
+            engine = self.engine_factory(self.settings, self.metrics)
+            engine.scopes = scope_masks(keys, engine.bundle.filters)
+            return engine
+
+        engine = await asyncio.get_running_loop().run_in_executor(None, on_own_thread, load)
         await engine.start()
         try:
             await self._warm(engine)
@@ -106,17 +119,10 @@ class ServiceState:
         self.metrics.bundle.labels(bundle.version).set(1)
         self.metrics.pool.labels("answerable").set(len(bundle.texts) - len(bundle.withdrawn))
         self.metrics.pool.labels("withdrawn").set(len(bundle.withdrawn))
-        if engine.scopes:  # what each scoped API key may be answered with in this pool
-            allowed = {name: int(mask.sum()) for name, mask in engine.scopes.items()}
-            LOG.info("API key scopes", extra={"fields": {"bundle": bundle.version, "responses": allowed}})
-            if none := sorted(name for name, n in allowed.items() if not n):
-                LOG.warning(
-                    "API keys whose filter allows no response of this pool: their answers are the fallback",
-                    extra={"fields": {"bundle": bundle.version, "keys": none}},
-                )
+        _log_scopes(engine)
 
     async def start(self) -> None:
-        self.engine = await self._open()
+        self.engine = await self._open(self.keys)
         self._publish(self.engine)
         self.ready = True
         self.metrics.ready.set(0 if self.draining else 1)
@@ -133,26 +139,38 @@ class ServiceState:
         self.metrics.ready.set(0)
 
     async def reload(self) -> bool:
-        """Swap in the configured bundle if it loads, verifies and warms; else keep the live one. True
-        when the configured bundle is served afterwards (swapped in, or already the live one)."""
+        """Swap in the configured bundle and API keys if they load, verify and warm; else keep the live
+        ones. True when the configured ones are served afterwards (swapped in, or already live)."""
         async with self._reloading:
             old = self.engine
             assert old is not None
             loop = asyncio.get_running_loop()
             try:
+                keys = await loop.run_in_executor(None, self.settings.read_keys)
                 if await loop.run_in_executor(None, is_version, self.settings.bundle, old.bundle.version):
+                    if keys.keys != self.keys.keys:
+                        scopes = await loop.run_in_executor(None, scope_masks, keys, old.bundle.filters)
+                        self._swap_keys(keys)
+                        old.scopes = scopes  # no await since the swap: a request sees both or neither
+                        _log_scopes(old)
+                        self.metrics.reloads.labels("ok").inc()
+                        return True
                     self.metrics.reloads.labels("unchanged").inc()
                     LOG.info(
-                        "reload: the bundle is the one serving",
+                        "reload: the bundle and the API keys are the ones serving",
                         extra={"fields": {"serving": old.bundle.version}},
                     )
                     return True
-                new = await self._open()
+                new = await self._open(keys)
             except Exception as exc:
                 self.metrics.reloads.labels("failed").inc()
                 fields = {"error": f"{type(exc).__name__}: {exc}", "serving": old.bundle.version}
-                LOG.error("reload failed, still serving the previous bundle", extra={"fields": fields})
+                LOG.error(
+                    "reload failed, still serving the previous bundle and API keys", extra={"fields": fields}
+                )
                 return False
+            if keys.keys != self.keys.keys:
+                self._swap_keys(keys)
             self.engine = new
             self._publish(new, old)
             self.metrics.reloads.labels("ok").inc()
@@ -160,10 +178,35 @@ class ServiceState:
             await old.retire(self.settings.drain_seconds)
             return True
 
+    def _swap_keys(self, keys: KeyRing) -> None:
+        """Serve ``keys`` from now on, and log which names came, went or changed (never the keys)."""
+        old, new = ({k.name: k for k in ring.keys} for ring in (self.keys, keys))
+        fields = {
+            "added": sorted(new.keys() - old.keys()),
+            "withdrawn": sorted(old.keys() - new.keys()),
+            "changed": sorted(n for n in new.keys() & old.keys() if new[n] != old[n]),
+        }
+        self.keys = keys
+        LOG.info("reloaded the API keys", extra={"fields": fields})
+
     def deadline(self, timeout_ms: int | None) -> float | None:
         """The request's deadline (``time.perf_counter()``) from its header or the default; None = none."""
         budget_ms = timeout_ms or self.settings.request_timeout_ms
         return time.perf_counter() + budget_ms / 1000 if budget_ms else None
+
+
+def _log_scopes(engine: Engine) -> None:
+    """What each scoped API key may be answered with in this engine's pool; a warning for none."""
+    if not engine.scopes:
+        return
+    version = engine.bundle.version
+    allowed = {name: int(mask.sum()) for name, mask in engine.scopes.items()}
+    LOG.info("API key scopes", extra={"fields": {"bundle": version, "responses": allowed}})
+    if none := sorted(name for name, n in allowed.items() if not n):
+        LOG.warning(
+            "API keys whose filter allows no response of this pool: their answers are the fallback",
+            extra={"fields": {"bundle": version, "keys": none}},
+        )
 
 
 def is_version(root: Path, version: str) -> bool:

@@ -16,8 +16,10 @@ from pydantic import ValidationError
 
 from index_builder.build import build_bundle
 from service.app import create_app
+from service.errors import Unauthorized
 from service.keys import KeyRing, env_keys, read_key_file
 from service.settings import Settings
+from service.state import make_job
 
 PET = {"context": [TOPICS["pet"][0]], "fusion": "retrieval"}
 
@@ -181,6 +183,65 @@ def test_a_bundle_a_key_scope_cannot_read_is_never_served(tagged_bundle, tiny_bu
         assert c.portal.call(app.reload) is False
         body = c.post("/respond", json=PET | {"top_k": 5}, headers={"X-API-Key": "k-de"}).json()
         assert body["responses"] and {r["metadata"]["locale"] for r in body["responses"]} == {"de"}
+        key_file(tmp_path, {"any-bot": {"key": "k-any"}})  # keys this pool can serve: both swap in
+        assert c.portal.call(app.reload) is True
+        assert c.post("/respond", json=PET, headers={"X-API-Key": "k-de"}).status_code == 401
+        assert c.post("/respond", json=PET, headers={"X-API-Key": "k-any"}).json()["responses"]
+        assert c.get("/readyz").json()["filter_fields"] == []  # the pool without the field
+
+
+def test_a_reload_reads_the_keys_again_and_keeps_the_live_ones_when_the_file_is_wrong(
+    tagged_bundle, tmp_path, caplog
+):
+    """SIGHUP rotates, adds, withdraws and rescopes keys without a restart, on the bundle serving; a key
+    file with a wrong entry, or a scope this pool cannot read, is refused whole and the live keys serve."""
+    caplog.set_level(logging.INFO, logger="coreply")
+    keys = {"de-bot": {"key": "k-de", "filter": {"locale": "de"}}, "ops": {"key": "k-old"}}
+    app = create_app(Settings(bundle=tagged_bundle, threads=1, api_keys_file=key_file(tmp_path, keys)))
+    every = {"top_k": len(TOPICS), "n_candidates": len(TOPICS)}
+    with TestClient(app) as c:
+
+        def ask(key):
+            r = c.post("/respond", json=PET | every, headers={"X-API-Key": key})
+            return r.status_code, {a["metadata"]["locale"] for a in r.json().get("responses", [])}
+
+        assert ask("k-de") == (200, {"de"}) and ask("k-old") == (200, {"de", "en"})
+        de_bot = app.state.keys.match(b"k-de")
+        version = c.get("/readyz").json()["bundle_version"]
+        rotated = {
+            "ops": {"key": "k-new"},  # a new key for the same name
+            "en-bot": {"key": "k-en", "filter": {"locale": "en"}, "max_in_flight": 4},  # a new caller
+        }  # and de-bot withdrawn
+        key_file(tmp_path, rotated)
+        assert c.portal.call(app.reload) is True
+        assert c.get("/readyz").json()["bundle_version"] == version  # the bundle was not loaded again
+        assert ask("k-old") == (401, set()) and ask("k-de") == (401, set())
+        assert ask("k-new") == (200, {"de", "en"}) and ask("k-en") == (200, {"en"})
+        # a request checked with de-bot's key just before the swap is not answered from the whole pool
+        body = app.state.request_model(context=PET["context"])
+        with pytest.raises(Unauthorized, match="'de-bot' was withdrawn"):
+            make_job(body, app.state.engine, None, de_bot)
+        rescoped = rotated | {"en-bot": {"key": "k-en", "filter": {"locale": "de"}}}
+        key_file(tmp_path, rescoped)
+        assert c.portal.call(app.reload) is True and ask("k-en") == (200, {"de"})
+        assert c.portal.call(app.reload) is True  # the same keys and bundle: nothing to swap
+        for wrong in ("{", {"ops": {"key": "k-new"}, "x": {"key": "k-x", "filter": {"colour": "red"}}}):
+            key_file(tmp_path, wrong)
+            assert c.portal.call(app.reload) is False
+            assert ask("k-x")[0] == 401 and ask("k-new")[0] == 200 and ask("k-en") == (200, {"de"})
+        metrics = c.get("/metrics").text
+    for result, n in (("ok", 2), ("unchanged", 1), ("failed", 2)):
+        assert f'coreply_reloads_total{{result="{result}"}} {n}.0' in metrics
+    swaps = [r.fields for r in caplog.records if r.getMessage() == "reloaded the API keys"]
+    assert swaps == [
+        {"added": ["en-bot"], "withdrawn": ["de-bot"], "changed": ["ops"]},
+        {"added": [], "withdrawn": [], "changed": ["en-bot"]},
+    ]
+    failures = [r.fields["error"] for r in caplog.records if r.getMessage().startswith("reload failed")]
+    assert "keys.json: not JSON" in failures[0]
+    assert "API key 'x': its filter.colour: no response in this pool has this field" in failures[1]
+    logged = json.dumps([getattr(r, "fields", {}) for r in caplog.records])
+    assert "k-new" not in logged and "k-old" not in logged  # names, never keys
 
 
 def test_a_key_at_its_limit_is_refused_while_other_keys_are_served(tiny_bundle, tmp_path):
