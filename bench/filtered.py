@@ -160,7 +160,7 @@ def approximate(bundle, factory: str, params: str):
         coreply.bundle.apply_search_params(index, params)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
-    coreply.bundle._readable(index, bundle.root)
+    coreply.bundle.make_readable(index, bundle.root)
     return index
 
 

@@ -560,7 +560,7 @@ def search_within(
     """queries [Q, D] -> each one's best ``k`` among the rows its ``allow`` [Q, N] (bool) sets, (scores,
     ids) [Q, min(k, most rows allowed)], -1 past a query's last allowed row. An exact index masks the
     passes of its search (:meth:`TorchExactIndex.search_within`). An approximate FAISS index (read back
-    with :func:`_readable`) scores a query's allowed rows' stored vectors, exactly, where its filter
+    with :func:`make_readable`) scores a query's allowed rows' stored vectors, exactly, where its filter
     allows at most :data:`EXACT_WITHIN`; where it allows more, an IVF or HNSW index searches as it
     would unfiltered, restricted to them (FAISS's ``IDSelectorBitmap``), and a query that comes back
     short is searched exactly, so no filter leaves an answer short while allowed rows remain."""
@@ -739,7 +739,7 @@ class IndexRetriever:
         return out
 
 
-def _readable(index: Any, root: Path) -> None:
+def make_readable(index: Any, root: Path) -> None:
     """Make sure response vectors can be read back from ``index`` (an IVF index needs its direct map; a
     product-quantised one hands back its approximations, as its search uses them)."""
     if isinstance(index, TorchExactIndex):
@@ -785,7 +785,7 @@ def pipeline(bundle: Bundle, backend: Any, index: Any = None) -> Pipeline:
     guard = bundle.manifest.get("restatement")
     index = bundle.index if index is None else index
     if guard or (backend.poly_codes and not backend.has_cross) or bundle.filters.fields:
-        _readable(index, bundle.root)  # and the filters' index, made here: before the first request
+        make_readable(index, bundle.root)  # and the filters' index, made here: before the first request
     # an exact index (:func:`searcher`'s test) holds the vectors as encoded, an approximate one may not;
     # a bundle still being built has no index entry yet
     exact = bundle.manifest.get("index", {}).get("factory") == "Flat"
