@@ -1,6 +1,7 @@
 """End to end: the real server (``coreply serve`` under uvicorn, in a subprocess) over real HTTP;
 schema-based fuzzing of /respond; a real Prometheus server scraping /metrics."""
 
+import json
 import os
 import re
 import shutil
@@ -200,7 +201,7 @@ def test_sigterm_under_load_drains_every_admitted_request(tiny_bundle, tmp_path)
     assert process.returncode in (0, -15) and "Application shutdown complete" in log.read_text()
 
 
-def test_sighup_reloads_the_bundle_in_a_real_server(tiny_bundle, tmp_path):
+def test_sighup_reloads_the_bundle_and_the_api_keys_in_a_real_server(tiny_bundle, tmp_path):
     import signal
 
     from index_builder.build import add_responses
@@ -213,7 +214,10 @@ def test_sighup_reloads_the_bundle_in_a_real_server(tiny_bundle, tmp_path):
     current.symlink_to(v1)
     port = free_port()
     base = f"http://127.0.0.1:{port}"
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"bot": {"key": "k-old"}}))
     cmd = [sys.executable, "-m", "cli", "serve", "--bundle", str(current), "--port", str(port)]
+    cmd += ["--api-keys-file", str(keys)]
     with open(tmp_path / "server.log", "w") as out:
         process = subprocess.Popen([*cmd, "--threads", "1"], stdout=out, stderr=subprocess.STDOUT)
     try:
@@ -221,12 +225,15 @@ def test_sighup_reloads_the_bundle_in_a_real_server(tiny_bundle, tmp_path):
         assert httpx.get(base + "/readyz").json()["bundle_version"] != new
         current.unlink()
         current.symlink_to(v2)
+        keys.write_text(json.dumps({"bot": {"key": "k-new"}}))  # the key rotated with the bundle
         process.send_signal(signal.SIGHUP)
         deadline = time.monotonic() + 60
         while httpx.get(base + "/readyz").json()["bundle_version"] != new:
             assert time.monotonic() < deadline, (tmp_path / "server.log").read_text()[-2000:]
             time.sleep(0.2)
-        assert httpx.post(base + "/respond", json={"context": ["hello"]}).status_code == 200
+        hello = {"context": ["hello"]}
+        assert httpx.post(base + "/respond", json=hello, headers={"X-API-Key": "k-new"}).status_code == 200
+        assert httpx.post(base + "/respond", json=hello, headers={"X-API-Key": "k-old"}).status_code == 401
     finally:
         process.terminate()
         process.wait(timeout=30)
