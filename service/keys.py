@@ -4,7 +4,11 @@ Keys come from ``COREPLY_API_KEYS`` (comma-separated, all named ``default``: sev
 from ``COREPLY_API_KEYS_FILE``, a JSON object of named keys, each optionally scoped by a filter::
 
     {"support-bot": {"key": "...", "filter": {"bot": "support"}, "max_in_flight": 8},
-     "ops": {"key": "..."}}
+     "ops": {"key_sha256": "<64 hex digits>"}}
+
+An entry gives its key, or only the key's SHA-256 (``printf %s "$KEY" | sha256sum``), so that the file,
+its Secret and their backups do not hold what a caller sends. Either way the service keeps and compares
+only digests.
 
 A scoped key's requests are answered only from the responses its filter allows, read as a request's
 ``filter`` is (coreply/filters.py), and met together with the request's own. One deployment can so
@@ -14,6 +18,7 @@ keys, go into the access log and the metrics."""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import re
@@ -30,15 +35,16 @@ from coreply.filters import FilterError, MetadataIndex
 
 ENV_NAME = "default"  # the name of every COREPLY_API_KEYS key
 NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
-ENTRY = {"key", "filter", "max_in_flight"}
-ENTRY_SHAPE = '{"key": "...", "filter": {...}, "max_in_flight": N}'
+ENTRY = {"key", "key_sha256", "filter", "max_in_flight"}
+ENTRY_SHAPE = '{"key": "..." or "key_sha256": "<64 hex digits>", "filter": {...}, "max_in_flight": N}'
+HEX64 = re.compile(r"[0-9a-fA-F]{64}")
 SHAPE = f'{{"NAME": {ENTRY_SHAPE}, ...}}'
 
 
 @dataclass(frozen=True)
 class ApiKey:
     name: str
-    secret: bytes = field(repr=False)
+    digest: bytes = field(repr=False)  # SHA-256 of the key; the key itself is never kept
     scope: dict[str, Any] | None = None  # a filter over the pool's metadata; None: every response
     max_in_flight: int | None = None  # most of its /respond requests admitted at once; None: no limit
 
@@ -59,7 +65,8 @@ class KeyRing:
         return bool(self.keys)
 
     def match(self, given: bytes) -> ApiKey | None:
-        hits = [hmac.compare_digest(given, key.secret) for key in self.keys]  # every key, always
+        digest = sha256(given)
+        hits = [hmac.compare_digest(digest, key.digest) for key in self.keys]  # every key, always
         return self.keys[hits.index(True)] if any(hits) else None
 
 
@@ -88,7 +95,11 @@ class Admission:
 
 def env_keys(value: str) -> list[ApiKey]:
     """``COREPLY_API_KEYS``: comma-separated keys, unscoped, named :data:`ENV_NAME`."""
-    return [ApiKey(ENV_NAME, k.strip().encode()) for k in value.split(",") if k.strip()]
+    return [ApiKey(ENV_NAME, sha256(k.strip().encode())) for k in value.split(",") if k.strip()]
+
+
+def sha256(key: bytes) -> bytes:
+    return hashlib.sha256(key).digest()
 
 
 def _no_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -119,22 +130,33 @@ def read_key_file(path: Path) -> list[ApiKey]:
         at = f"{path}: {name!r}"
         if not NAME.fullmatch(name) or name == ENV_NAME:
             raise ValueError(f"{at}: a name is 1-64 letters, digits, '.', '_' or '-', and not {ENV_NAME!r}")
-        if not isinstance(entry, dict) or "key" not in entry or set(entry) - ENTRY:
+        if not isinstance(entry, dict) or len({"key", "key_sha256"} & set(entry)) != 1 or set(entry) - ENTRY:
             raise ValueError(f"{at}: write {ENTRY_SHAPE} (the filter and the limit optional)")
-        secret = entry["key"]
-        if not isinstance(secret, str) or not secret.strip() or secret != secret.strip():
-            raise ValueError(f"{at}: the key is a text without spaces at either end")
-        if secret in owners:
-            raise ValueError(f"{at}: the same key as {owners[secret]!r}; a key names one caller")
-        owners[secret] = name
+        digest = _digest(entry, at)
+        if digest in owners:
+            raise ValueError(f"{at}: the same key as {owners[digest]!r}; a key names one caller")
+        owners[digest] = name
         scope = entry.get("filter")
         if scope is not None and not isinstance(scope, dict):
             raise ValueError(f"{at}: the filter is a JSON object, as a request's `filter` is")
         limit = entry.get("max_in_flight")
         if limit is not None and (type(limit) is not int or limit < 1):
             raise ValueError(f"{at}: max_in_flight is a whole number of requests, at least 1")
-        keys.append(ApiKey(name, secret.encode(), scope or None, limit))
+        keys.append(ApiKey(name, digest, scope or None, limit))
     return keys
+
+
+def _digest(entry: dict[str, Any], at: str) -> bytes:
+    """The SHA-256 of an entry's key, from its ``key`` or its ``key_sha256``."""
+    if "key_sha256" in entry:
+        given = entry["key_sha256"]
+        if not isinstance(given, str) or not HEX64.fullmatch(given):
+            raise ValueError(f"{at}: key_sha256 is the key's SHA-256 in 64 hex digits")
+        return bytes.fromhex(given)
+    secret = entry["key"]
+    if not isinstance(secret, str) or not secret.strip() or secret != secret.strip():
+        raise ValueError(f"{at}: the key is a text without spaces at either end")
+    return sha256(secret.encode())
 
 
 def scope_masks(ring: KeyRing, filters: MetadataIndex) -> dict[str, np.ndarray]:

@@ -146,8 +146,8 @@ class Settings(BaseSettings):
         a ValueError says what is wrong with them in one line."""
         keys = env_keys(self.api_keys)
         named = [] if self.api_keys_file is None else read_key_file(self.api_keys_file)
-        if shared := {k.secret for k in keys} & {k.secret for k in named}:
-            name = next(k.name for k in named if k.secret in shared)
+        if shared := {k.digest for k in keys} & {k.digest for k in named}:
+            name = next(k.name for k in named if k.digest in shared)
             raise ValueError(f"{self.api_keys_file}: {name!r} holds a key COREPLY_API_KEYS also holds")
         ring = KeyRing(keys + named)
         if ring.scoped and "/respond" in self.public:

@@ -2,6 +2,7 @@
 and a scoped key is answered only from the responses its filter allows, on every route it reaches and
 through a reload."""
 
+import hashlib
 import json
 import logging
 import shutil
@@ -22,6 +23,7 @@ from service.settings import Settings
 from service.state import make_job
 
 PET = {"context": [TOPICS["pet"][0]], "fusion": "retrieval"}
+SAME_SHA256 = hashlib.sha256(b"same").hexdigest()
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +57,12 @@ def key_file(tmp_path, entries) -> str:
         ({"bot": {"key": " a"}}, "'bot': the key is a text without spaces"),
         ({"bot": {"key": 7}}, "'bot': the key is a text without spaces"),
         ({"a": {"key": "same"}, "b": {"key": "same"}}, "'b': the same key as 'a'"),
+        ({"a": {"key": "same"}, "b": {"key_sha256": SAME_SHA256.upper()}}, "'b': the same key as 'a'"),
+        ({"bot": {"key": "a", "key_sha256": SAME_SHA256}}, "'bot': write {\"key\""),
+        *(
+            ({"bot": {"key_sha256": given}}, "'bot': key_sha256 is the key's SHA-256 in 64 hex digits")
+            for given in (SAME_SHA256[:-1], SAME_SHA256[:-1] + "g", 7, "")
+        ),
         ({"bot": {"key": "a", "filter": ["x"]}}, "'bot': the filter is a JSON object"),
         ('{"bot": {"key": "a"}, "bot": {"key": "b"}}', "'bot' is given twice"),
         ('{"bot": {"key": "a", "filter": {"x": 1, "x": 2}}}', "'x' is given twice"),
@@ -86,7 +94,11 @@ def test_keys_that_would_be_ambiguous_or_scope_nothing_are_refused(tmp_path):
 
 
 def test_the_ring_matches_each_key_to_its_name_and_nothing_else(tmp_path):
-    entries = {"bot": {"key": "kb", "filter": {"x": 1}}, "ops": {"key": "ko", "filter": {}}}
+    entries = {
+        "bot": {"key": "kb", "filter": {"x": 1}},
+        "ops": {"key": "ko", "filter": {}},
+        "hashed": {"key_sha256": hashlib.sha256(b"kh").hexdigest()},  # the file does not hold the key
+    }
     named = read_key_file(Path(key_file(tmp_path, entries)))
     ring = KeyRing(env_keys(" k1, ,k2 ") + named)
     assert [(k.name, k.scope) for k in ring.keys] == [
@@ -94,11 +106,13 @@ def test_the_ring_matches_each_key_to_its_name_and_nothing_else(tmp_path):
         ("default", None),
         ("bot", {"x": 1}),
         ("ops", None),  # an empty filter allows everything: not a scope
+        ("hashed", None),
     ]
     assert [k.name for k in ring.scoped] == ["bot"]
     assert ring.match(b"kb").name == "bot" and ring.match(b"k2").name == "default"
-    for wrong in (b"", b"k", b"kb ", b"k1k2", b"KB"):
-        assert ring.match(wrong) is None
+    assert ring.match(b"kh").name == "hashed"
+    wrong = (b"", b"k", b"kb ", b"k1k2", b"KB", hashlib.sha256(b"kh").hexdigest().encode())
+    assert all(ring.match(given) is None for given in wrong)  # the digest is not the key
     assert "kb" not in repr(ring.keys)  # a key never shows in a log or a traceback
     assert not KeyRing(env_keys(""))
 
