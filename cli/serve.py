@@ -32,9 +32,10 @@ def serve_parser(sub) -> None:
     p.add_argument(
         "--api-keys-file",
         default=None,
-        help="a JSON file of named API keys, each optionally scoped by a filter its answers meet and "
-        "limited in requests at once (env COREPLY_API_KEYS_FILE): "
-        '{"NAME": {"key": "...", "filter": {...}, "max_in_flight": N}}',
+        help="a JSON file of named API keys (each its key, or only the key's SHA-256 as key_sha256), "
+        "each optionally scoped by a filter its answers meet and limited in requests at once; read "
+        'again on SIGHUP (env COREPLY_API_KEYS_FILE): {"NAME": {"key": "...", "filter": {...}, '
+        '"max_in_flight": N}}',
     )
 
 
@@ -72,12 +73,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         read_manifest(settings.bundle)
     if settings.keys.scoped:  # a key's filter this pool cannot read is said here, not in the server's log
-        from coreply.bundle import RESPONSES, read_responses
-        from coreply.filters import MetadataIndex
+        from coreply.bundle import pool_filters
         from service.keys import scope_masks
 
         try:
-            scope_masks(settings.keys, MetadataIndex(read_responses(settings.bundle / RESPONSES)[1]))
+            scope_masks(settings.keys, pool_filters(settings.bundle))
         except ValueError as exc:
             raise CliError(f"--api-keys-file / COREPLY_API_KEYS_FILE: {exc}") from None
     from service.server import serve

@@ -105,6 +105,12 @@ def read_responses(path: Path) -> tuple[list[str], list[dict[str, Any]]]:
     return texts, metadata
 
 
+def pool_filters(root: Path) -> MetadataIndex:
+    """The metadata of the bundle at ``root`` indexed for filters, read without loading its index or
+    models (:attr:`Bundle.filters` is the same index of a loaded bundle)."""
+    return MetadataIndex(read_responses(root / RESPONSES)[1])
+
+
 def write_tokens(root: Path, ids: np.ndarray, offsets: np.ndarray) -> None:
     """``root/tokens/``: the responses' word-piece ids and offsets, in id order (:func:`flat_pieces`)."""
     (root / TOKENS).mkdir(exist_ok=True)

@@ -7,7 +7,15 @@ from typing import Any
 
 import numpy as np
 
-from coreply.bundle import CALIBRATED, RESPONSES, default_fusion, read_manifest, read_responses, rerank_stage
+from coreply.bundle import (
+    CALIBRATED,
+    RESPONSES,
+    default_fusion,
+    pool_filters,
+    read_manifest,
+    read_responses,
+    rerank_stage,
+)
 from coreply.filters import Filter, MetadataIndex
 
 
@@ -137,7 +145,7 @@ def describe(path: str | Path) -> list[tuple[str, str]]:
             f"({build['dropped_duplicates_or_blank']:,} repeats or blanks dropped; {added:,} added since; "
             f"{m.get('withdrawn', {}).get('count', 0):,} withdrawn)",
         ),
-        ("filters", MetadataIndex(read_responses(root / RESPONSES)[1]).describe()),
+        ("filters", pool_filters(root).describe()),
         (
             "index",
             f"{index['factory']}, {index['metric']}, dim {index['dim']}, search params "
