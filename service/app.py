@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from service import errors
+from service.cors import cors_layer
 from service.engine import Engine, load_engine
 from service.logs import ACCESS, request_id
 from service.metrics import Metrics
@@ -32,11 +33,14 @@ ROUTES = ("/respond", "/healthz", "/readyz", "/metrics", "/docs", "/openapi.json
 
 class Guard:
     """Outermost ASGI layer: refuses bodies over the limit (413) before the app reads them, counts
-    requests by route and status class, times them and tracks the in-flight gauge."""
+    requests by route and status class, times them and tracks the in-flight gauge. Whatever it answers,
+    a 413 too, goes through the CORS layer (service/cors.py), so a page allowed to call the API can read
+    its errors."""
 
     def __init__(self, app: Callable, state: ServiceState) -> None:
-        self.app, self.state = app, state
-        self.settings, self.metrics = state.settings, state.metrics
+        self.state, self.settings, self.metrics = state, state.settings, state.metrics
+        self.cors = cors_layer(self.settings.cors)
+        self.app = self.cors(app)
 
     async def reload(self) -> bool:
         """Load the configured bundle beside the live one and swap if it verifies (service/state.py)."""
@@ -72,7 +76,7 @@ class Guard:
                 await self.app(scope, receive, send_recording)
             elif (body := await self._read_body(receive)) is None:
                 too_large = errors.BodyTooLarge(f"over the limit of {self.settings.max_body_bytes} bytes")
-                await errors.for_exception(too_large)(scope, receive, send_recording)
+                await self.cors(errors.for_exception(too_large))(scope, receive, send_recording)
             else:
                 await self.app(scope, _replay(body, receive), send_recording)
         finally:

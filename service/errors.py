@@ -35,6 +35,10 @@ class BodyTooLarge(Exception):
     """The request body is over the configured limit."""
 
 
+class CorsRefused(Exception):
+    """A browser's preflight for a page, method or header that COREPLY_CORS_ORIGINS does not allow."""
+
+
 RETRY = {"Retry-After": "1"}
 
 STATUS: dict[type[Exception], tuple[int, str, dict[str, str]]] = {
@@ -47,6 +51,7 @@ STATUS: dict[type[Exception], tuple[int, str, dict[str, str]]] = {
     TooManyRequests: (429, "too many requests", RETRY),
     NeedsReranker: (422, "fusion", {}),
     BodyTooLarge: (413, "request body too large", {}),
+    CorsRefused: (403, "cross-origin request refused", {}),
 }
 
 

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service.cors import Origins, parse_origins
 from service.keys import KeyRing, env_keys, read_key_file
 
 DEFAULT_BUNDLE = Path("artifacts/default-bundle")
@@ -104,6 +105,13 @@ class Settings(BaseSettings):
         "/healthz,/readyz,/metrics", description="comma-separated routes that never need a key"
     )
 
+    cors_origins: str = Field(
+        "",
+        description="comma-separated origins whose web pages may call the API and read its answers "
+        "(https://chat.example.com, https://*.example.com for any subdomain, * for any page); empty: none "
+        "(service/cors.py)",
+    )
+
     @property
     def keys(self) -> KeyRing:
         """Every key accepted at start: ``api_keys`` (named ``default``) and ``api_keys_file``'s. The
@@ -114,12 +122,22 @@ class Settings(BaseSettings):
     def public(self) -> frozenset[str]:
         return frozenset(r.strip() for r in self.public_routes.split(",") if r.strip())
 
+    @property
+    def cors(self) -> Origins:
+        return parse_origins(self.cors_origins)
+
     @field_validator("device")
     @classmethod
     def _device_name(cls, value: str) -> str:
         from coreply.device import check_device_name
 
         return check_device_name(value)  # whether this host has it is checked at start
+
+    @field_validator("cors_origins")
+    @classmethod
+    def _origins(cls, value: str) -> str:
+        parse_origins(value)  # a ValueError names the entry no browser could send
+        return value
 
     @field_validator("api_keys_file", mode="before")
     @classmethod
