@@ -155,6 +155,8 @@ class Engine:
             asdict(r) | {"metadata": r.metadata or None}
             for r in replies(self.bundle, candidates, positions[: job.top_k], final)
         ]
+        if responses:
+            self.metrics.answer_score.observe(responses[0]["retrieval_score"])
         fallback = None
         if job.min_retrieval_score is not None:
             responses = [r for r in responses if r["retrieval_score"] >= job.min_retrieval_score]

@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 disable_created_metrics()  # the *_created series only add noise
 
 LATENCY_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
+SCORE_BUCKETS = tuple(round(0.1 * i, 1) for i in range(-10, 11))  # cosine: -1.0 to 1.0
 STAGES = ("encode", "search", "filter", "lexical", "knowledge", "rerank", "queue_wait")
 
 
@@ -65,6 +66,14 @@ class Metrics:
         )
         self.degraded = Counter(
             "coreply_degraded_requests", "Requests answered with less work by the cascade", registry=r
+        )
+        self.answer_score = Histogram(
+            "coreply_answer_retrieval_score",
+            "Retrieval score of each answer's first response, before a minimum retrieval score drops it "
+            "(cosine for the built-in retriever): where COREPLY_MIN_RETRIEVAL_SCORE would cut, and a fall "
+            "when users ask what the pool answers less well",
+            buckets=SCORE_BUCKETS,
+            registry=r,
         )
         self.fallbacks = Counter(
             "coreply_fallback_responses",

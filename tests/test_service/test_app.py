@@ -817,14 +817,39 @@ def test_a_filter_answers_within_the_responses_whose_metadata_matches(tmp_path, 
             assert refused.status_code == 422 and refused.json()["error"].startswith(says), refused.text
 
 
+def answer_scores(client) -> dict:
+    """``coreply_answer_retrieval_score`` as /metrics shows it: count and cumulative buckets (no sum: its
+    buckets go below zero)."""
+    got: dict = {"buckets": {}}
+    for line in client.get("/metrics").text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name.startswith("coreply_answer_retrieval_score_bucket"):
+            le = name.split('le="')[1].rstrip('"}')
+            got["buckets"][float(le)] = float(value)
+        elif name == "coreply_answer_retrieval_score_count":
+            got["count"] = float(value)
+    return got
+
+
 def test_fallback_when_no_response_is_similar_enough(tiny_bundle):
     settings = Settings(
         bundle=tiny_bundle, threads=1, min_retrieval_score=1e6, fallback_text="Let me get a human."
     )
     with TestClient(create_app(settings)) as c:
+        before = answer_scores(c)  # the golden query's
         body = c.post("/respond", json={"context": ["do you have a pet ?"], "top_k": 3}).json()
         assert body["responses"] == [] and body["fallback"] == "Let me get a human."
         assert "coreply_fallback_responses_total 1.0" in c.get("/metrics").text
+        pet = {"context": ["do you have a pet ?"], "min_retrieval_score": -1e6}
+        score = c.post("/respond", json=pet).json()["responses"][0]["retrieval_score"]  # as the one cut
+        after = answer_scores(c)
+        assert after["count"] - before["count"] == 2
+        below, above = (
+            max(b for b in after["buckets"] if b < score),
+            min(b for b in after["buckets"] if b >= score),
+        )
+        assert after["buckets"][below] == before["buckets"][below]  # in the bucket the score falls in
+        assert after["buckets"][above] - before["buckets"][above] == 2
         lenient = c.post("/respond", json={"context": ["hi"], "top_k": 3, "min_retrieval_score": -1e6}).json()
         assert len(lenient["responses"]) == 3 and lenient["fallback"] is None
         some = c.post("/respond", json={"context": ["hi"], "top_k": 3, "min_retrieval_score": None}).json()
