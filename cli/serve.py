@@ -37,6 +37,16 @@ def serve_parser(sub) -> None:
         'again on SIGHUP (env COREPLY_API_KEYS_FILE): {"NAME": {"key": "...", "filter": {...}, '
         '"max_in_flight": N}}',
     )
+    p.add_argument(
+        "--tls-cert-file",
+        default=None,
+        help="a PEM certificate chain: serve HTTPS with it, read again on SIGHUP (env COREPLY_TLS_CERT_FILE)",
+    )
+    p.add_argument(
+        "--tls-key-file",
+        default=None,
+        help="its PEM private key, unless the certificate file holds it (env COREPLY_TLS_KEY_FILE)",
+    )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -46,6 +56,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from service.settings import DEFAULT_BUNDLE, Settings
 
     flags = ("bundle", "host", "port", "backend", "threads", "device", "api_keys_file")
+    flags += ("tls_cert_file", "tls_key_file")
     overrides = {k: getattr(args, k) for k in flags if getattr(args, k) is not None}
     try:
         settings = Settings(**overrides)
@@ -53,8 +64,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         first = exc.errors()[0]
         field = str(first["loc"][0]) if first["loc"] else ""
         flag = f"--{field.replace('_', '-')} / " if field in flags else ""  # the rest are environment only
-        name = f"{flag}COREPLY_{field.upper()}" if field else "the settings"
-        raise CliError(f"{name}: {first['msg'].removeprefix('Value error, ')}") from None
+        message = first["msg"].removeprefix("Value error, ")  # one that names no field names its settings
+        raise CliError(f"{flag}COREPLY_{field.upper()}: {message}" if field else message) from None
     built_in = settings.bundle == DEFAULT_BUNDLE
     if not built_in and not (settings.bundle / MANIFEST).is_file():  # said before torch's imports
         raise CliError(f"no bundle at {settings.bundle}; build one with `coreply index build -o DIR`")

@@ -82,7 +82,7 @@ class Metrics:
         )
         self.reloads = Counter(
             "coreply_reloads",
-            "Reloads (SIGHUP) of the bundle and API keys by result: ok, unchanged or failed",
+            "Reloads (SIGHUP) of the bundle, API keys and TLS certificate by result: ok, unchanged or failed",
             ["result"],
             registry=r,
         )

@@ -1,6 +1,7 @@
 """Running the app under uvicorn with a graceful shutdown: on SIGTERM or SIGINT readiness turns 503 at
 once, uvicorn stops accepting connections and waits up to ``COREPLY_DRAIN_SECONDS`` for in-flight
-requests, then the lifespan stops the engine and the process exits."""
+requests, then the lifespan stops the engine and the process exits. With a certificate set it serves
+HTTPS, the certificate read again on SIGHUP with the bundle (service/tls.py)."""
 
 from __future__ import annotations
 
@@ -27,11 +28,13 @@ class DrainingServer(uvicorn.Server):
 
 def serve(settings: Settings) -> None:
     app = create_app(settings)
+    tls = app.state.tls  # HTTPS where a certificate is set (service/tls.py)
     config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
         log_config=log_config(),
         timeout_graceful_shutdown=settings.drain_seconds,
+        ssl_context_factory=None if tls is None else lambda config, default: tls.server,
     )
     DrainingServer(config, app).run()

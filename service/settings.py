@@ -10,6 +10,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.cors import Origins, parse_origins
 from service.keys import KeyRing, env_keys, read_key_file
+from service.tls import read_context
 
 DEFAULT_BUNDLE = Path("artifacts/default-bundle")
 
@@ -105,6 +106,14 @@ class Settings(BaseSettings):
         "/healthz,/readyz,/metrics", description="comma-separated routes that never need a key"
     )
 
+    tls_cert_file: Path | None = Field(
+        None,
+        description="a PEM certificate chain: serve HTTPS (TLS 1.2 or later) with it, read again on SIGHUP "
+        "(service/tls.py); none: plain HTTP",
+    )
+    tls_key_file: Path | None = Field(
+        None, description="the certificate's PEM private key, unless the certificate file holds it"
+    )
     cors_origins: str = Field(
         "",
         description="comma-separated origins whose web pages may call the API and read its answers "
@@ -139,6 +148,11 @@ class Settings(BaseSettings):
         parse_origins(value)  # a ValueError names the entry no browser could send
         return value
 
+    @field_validator("tls_cert_file", "tls_key_file", mode="before")
+    @classmethod
+    def _unset_when_empty(cls, value: object) -> object:
+        return None if value == "" else value  # set but empty, as a ConfigMap often leaves it: no file
+
     @field_validator("api_keys_file", mode="before")
     @classmethod
     def _key_file(cls, value: object) -> object:
@@ -156,6 +170,13 @@ class Settings(BaseSettings):
         if self.default_candidates > self.max_candidates:
             n, most = self.default_candidates, self.max_candidates
             raise ValueError(f"COREPLY_DEFAULT_CANDIDATES ({n}) exceeds COREPLY_MAX_CANDIDATES ({most})")
+        if self.tls_key_file is not None and self.tls_cert_file is None:
+            raise ValueError("COREPLY_TLS_KEY_FILE is set without COREPLY_TLS_CERT_FILE, its certificate")
+        if self.tls_cert_file is not None:
+            try:  # said at start, not at the first handshake
+                read_context(self.tls_cert_file, self.tls_key_file)
+            except ValueError as exc:
+                raise ValueError(f"--tls-cert-file / --tls-key-file: {exc}") from None
         self._keys = self.read_keys()
         return self
 

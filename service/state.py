@@ -33,6 +33,7 @@ from service.errors import Unauthorized
 from service.keys import Admission, ApiKey, KeyRing, scope_masks
 from service.metrics import Metrics
 from service.settings import Settings
+from service.tls import Certificate
 
 LOG = logging.getLogger("coreply.service")
 GOLDEN = ["hello! how are you?"]  # the warm-up request; a bundle must answer it before it serves
@@ -83,6 +84,8 @@ class ServiceState:
         self.request_model, self.engine_factory = request_model, engine_factory
         self.engine: Engine | None = None
         self.keys: KeyRing = settings.keys  # the live API keys; a reload reads them again
+        cert, key = settings.tls_cert_file, settings.tls_key_file
+        self.tls = None if cert is None else Certificate(cert, key)  # HTTPS; a reload reads it again
         self.ready = False
         self.draining = False
         self.admission = Admission()  # each API key's requests in flight, against its limit
@@ -140,19 +143,27 @@ class ServiceState:
 
     async def reload(self) -> bool:
         """Swap in the configured bundle and API keys if they load, verify and warm; else keep the live
-        ones. True when the configured ones are served afterwards (swapped in, or already live)."""
+        ones. True when the configured ones are served afterwards (swapped in, or already live). With
+        HTTPS, a renewed certificate is read first and served to new connections from then on (a wrong
+        one fails the reload, nothing swapped)."""
         async with self._reloading:
             old = self.engine
             assert old is not None
             loop = asyncio.get_running_loop()
             try:
                 keys = await loop.run_in_executor(None, self.settings.read_keys)
+                renewed = self.tls is not None and await loop.run_in_executor(None, self.tls.renew)
+                if renewed:
+                    LOG.info("reloaded the TLS certificate", extra={"fields": {"cert": str(self.tls.cert)}})
                 if await loop.run_in_executor(None, is_version, self.settings.bundle, old.bundle.version):
                     if keys.keys != self.keys.keys:
                         scopes = await loop.run_in_executor(None, scope_masks, keys, old.bundle.filters)
                         self._swap_keys(keys)
                         old.scopes = scopes  # no await since the swap: a request sees both or neither
                         _log_scopes(old)
+                        self.metrics.reloads.labels("ok").inc()
+                        return True
+                    if renewed:
                         self.metrics.reloads.labels("ok").inc()
                         return True
                     self.metrics.reloads.labels("unchanged").inc()
@@ -166,7 +177,8 @@ class ServiceState:
                 self.metrics.reloads.labels("failed").inc()
                 fields = {"error": f"{type(exc).__name__}: {exc}", "serving": old.bundle.version}
                 LOG.error(
-                    "reload failed, still serving the previous bundle and API keys", extra={"fields": fields}
+                    "reload failed, still serving the bundle, API keys and certificate served before it",
+                    extra={"fields": fields},
                 )
                 return False
             if keys.keys != self.keys.keys:

@@ -3,6 +3,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -162,13 +163,40 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for(url: str, process: subprocess.Popen | None = None, timeout: float = 120) -> None:
+def make_cert(folder: Path, name: str) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 whose subject is ``name``, and its key."""
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make a certificate")
+    cert, key = folder / f"{name}.crt", folder / f"{name}.key"
+    request = [
+        "openssl",
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        f"/CN={name}",
+    ]
+    subprocess.run(
+        [*request, "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True,
+        capture_output=True,
+    )
+    return cert, key
+
+
+def wait_for(
+    url: str, process: subprocess.Popen | None = None, timeout: float = 120, verify: object = True
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process is not None and process.poll() is not None:
             raise RuntimeError(f"process exited with {process.returncode}")
         try:
-            if httpx.get(url, timeout=1).status_code == 200:
+            if httpx.get(url, timeout=1, verify=verify).status_code == 200:
                 return
         except httpx.HTTPError:
             pass

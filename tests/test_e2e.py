@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 import schemathesis
-from conftest import TOPICS, check_drain_under_load, free_port, wait_for
+from conftest import TOPICS, check_drain_under_load, free_port, make_cert, wait_for
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
@@ -238,3 +238,50 @@ def test_sighup_reloads_the_bundle_and_the_api_keys_in_a_real_server(tiny_bundle
         process.terminate()
         process.wait(timeout=30)
     assert '"message": "reloaded"' in (tmp_path / "server.log").read_text()
+
+
+def test_https_serves_a_renewed_certificate_after_sighup_and_keeps_it_through_a_wrong_one(
+    tiny_bundle, tmp_path
+):
+    """A real server over HTTPS: SIGHUP with renewed files hands new connections the new certificate
+    (the old one no longer verifies), and a key that does not match keeps the renewed one served."""
+    import signal
+    import ssl
+
+    a, b = make_cert(tmp_path, "cert-a"), make_cert(tmp_path, "cert-b")
+    cert, key = tmp_path / "live.crt", tmp_path / "live.key"
+    shutil.copy(a[0], cert)
+    shutil.copy(a[1], key)
+    trusts = {name: ssl.create_default_context(cafile=pair[0]) for name, pair in (("a", a), ("b", b))}
+    port = free_port()
+    base = f"https://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "cli", "serve", "--bundle", str(tiny_bundle), "--port", str(port)]
+    cmd += ["--tls-cert-file", str(cert), "--tls-key-file", str(key), "--threads", "1"]
+    log = tmp_path / "server.log"
+    with open(log, "w") as out:
+        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for(base + "/readyz", process, verify=trusts["a"])
+        hello = {"context": ["hello"]}
+        assert httpx.post(base + "/respond", json=hello, verify=trusts["a"]).status_code == 200
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"http://127.0.0.1:{port}/healthz")  # plain HTTP is not served beside it
+        shutil.copy(b[0], cert)
+        shutil.copy(b[1], key)
+        process.send_signal(signal.SIGHUP)
+        wait_for(base + "/readyz", process, timeout=30, verify=trusts["b"])
+        with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+            httpx.get(base + "/healthz", verify=trusts["a"])
+        shutil.copy(a[1], key)  # the old key beside the new certificate: refused, cert-b still served
+        process.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 30
+        while 'result="failed"' not in httpx.get(base + "/metrics", verify=trusts["b"]).text:
+            assert time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.2)
+        assert httpx.post(base + "/respond", json=hello, verify=trusts["b"]).status_code == 200
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    text = log.read_text()
+    assert "Uvicorn running on https://" in text and "reloaded the TLS certificate" in text
+    assert "KEY_VALUES_MISMATCH" in text

@@ -7,6 +7,7 @@ import re
 
 import pytest
 import torch
+from conftest import make_cert
 
 from cli.main import build_parser, main
 
@@ -158,6 +159,19 @@ def test_serve_says_in_one_line_what_is_wrong_with_a_key_file(capsys, tmp_path, 
     code, _, err = run(capsys, "serve", "--bundle", str(tiny_bundle), "--api-keys-file", str(keys))
     assert code == 2 and err.count("\n") == 1, err
     assert "--api-keys-file / COREPLY_API_KEYS_FILE: API key 'bot': its filter.locale: no response" in err
+
+
+def test_serve_says_in_one_line_what_is_wrong_with_its_tls_files_or_settings(capsys, tmp_path, monkeypatch):
+    """Files that cannot serve HTTPS, and settings that contradict each other, are each one line that
+    names them, never prefixed by what pydantic calls the model."""
+    cert, _ = make_cert(tmp_path, "a")
+    _, other = make_cert(tmp_path, "b")
+    code, _, err = run(capsys, "serve", "--tls-cert-file", str(cert), "--tls-key-file", str(other))
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"error: --tls-cert-file / --tls-key-file: {cert} and {other}: not a PEM certificate chain" in err
+    monkeypatch.setenv("COREPLY_CASCADE_LOW_MS", "500")
+    code, _, err = run(capsys, "serve")
+    assert code == 2 and "error: COREPLY_CASCADE_LOW_MS (500.0) exceeds COREPLY_CASCADE_HIGH_MS" in err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this host has CUDA")

@@ -1,0 +1,72 @@
+"""HTTPS settings (COREPLY_TLS_CERT_FILE, COREPLY_TLS_KEY_FILE): what is refused at start, in one line,
+and what a renewal reads. A real server's handshakes before and after a SIGHUP: tests/test_e2e.py."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import make_cert
+from pydantic import ValidationError
+
+from service.settings import Settings
+from service.tls import Certificate, read_context
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tls")
+    make_cert(folder, "a")
+    make_cert(folder, "b")
+    (folder / "both.pem").write_bytes((folder / "a.crt").read_bytes() + (folder / "a.key").read_bytes())
+    (folder / "junk").write_text("not pem\n")
+    return folder
+
+
+def test_a_certificate_and_its_key_are_served_from_two_files_or_one(certs):
+    assert read_context(certs / "a.crt", certs / "a.key").minimum_version.name == "TLSv1_2"
+    read_context(certs / "both.pem", None)
+    settings = Settings(tls_cert_file=certs / "a.crt", tls_key_file=certs / "a.key")
+    assert settings.tls_cert_file == certs / "a.crt"
+    assert Settings(tls_cert_file="", tls_key_file="").tls_cert_file is None  # set but empty: none
+
+
+@pytest.mark.parametrize(
+    "cert, key, says",
+    [
+        (
+            "a.crt",
+            "b.key",
+            "a.crt and {d}/b.key: not a PEM certificate chain and its private key (KEY_VALUES",
+        ),
+        ("a.crt", None, "a.crt: not a PEM certificate chain and its private key (no key in it: name the key"),
+        ("a.key", "a.crt", "a.key and {d}/a.crt: not a PEM certificate chain"),
+        ("junk", "a.key", "junk and {d}/a.key: not a PEM certificate chain"),
+        ("missing.crt", "a.key", "--tls-key-file: {d}/missing.crt: cannot read it (No such file or"),
+        ("a.crt", ".", "--tls-key-file: {d}: cannot read it (Is a directory)"),
+        (None, "a.key", "COREPLY_TLS_KEY_FILE is set without COREPLY_TLS_CERT_FILE"),
+    ],
+)
+def test_files_that_cannot_serve_https_are_refused_at_start_naming_them(certs, cert, key, says):
+    paths = {"tls_cert_file": cert and certs / cert, "tls_key_file": key and certs / key}
+    with pytest.raises(ValidationError) as refused:
+        Settings(**{name: path for name, path in paths.items() if path is not None})
+    message = refused.value.errors()[0]["msg"]
+    assert says.format(d=certs) in message
+    if cert is not None:
+        assert message.startswith("Value error, --tls-cert-file / --tls-key-file: ")
+
+
+def test_a_renewal_reads_the_files_again_and_keeps_the_served_one_when_they_are_wrong(certs, tmp_path):
+    cert, key = tmp_path / "live.crt", tmp_path / "live.key"
+    shutil.copy(certs / "a.crt", cert)
+    shutil.copy(certs / "a.key", key)
+    live = Certificate(cert, key)
+    assert live.server.sni_callback is not None and live.renew() is False  # the same files
+    shutil.copy(certs / "b.crt", cert)
+    with pytest.raises(ValueError, match="KEY_VALUES_MISMATCH"):  # halfway through a rotation
+        live.renew()
+    shutil.copy(certs / "b.key", key)
+    assert live.renew() is True and live.renew() is False
+    key.unlink()
+    with pytest.raises(ValueError, match=r"live\.key: cannot read it"):
+        live.renew()
