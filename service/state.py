@@ -156,14 +156,13 @@ class ServiceState:
                 if renewed:
                     LOG.info("reloaded the TLS certificate", extra={"fields": {"cert": str(self.tls.cert)}})
                 if await loop.run_in_executor(None, is_version, self.settings.bundle, old.bundle.version):
-                    if keys.keys != self.keys.keys:
+                    rekeyed = keys.keys != self.keys.keys
+                    if rekeyed:
                         scopes = await loop.run_in_executor(None, scope_masks, keys, old.bundle.filters)
                         self._swap_keys(keys)
                         old.scopes = scopes  # no await since the swap: a request sees both or neither
                         _log_scopes(old)
-                        self.metrics.reloads.labels("ok").inc()
-                        return True
-                    if renewed:
+                    if rekeyed or renewed:
                         self.metrics.reloads.labels("ok").inc()
                         return True
                     self.metrics.reloads.labels("unchanged").inc()

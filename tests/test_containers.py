@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import TOPICS, check_drain_under_load, free_port, wait_for
+from conftest import TOPICS, check_drain_under_load, free_port, make_cert, wait_for
 
 IMAGE = os.environ.get("COREPLY_IMAGE")
 GPU_IMAGE = os.environ.get("COREPLY_GPU_IMAGE")
@@ -35,17 +35,21 @@ def readable_bundle(tiny_bundle, tmp_path_factory) -> Path:
     return out
 
 
-def start(image: str, bundle: Path, name: str, *env: str) -> str:
-    """Run ``image`` detached, as production would (read-only root, /tmp a tmpfs); its base URL."""
+def start(
+    image: str, bundle: Path, name: str, *env: str, tls: Path | None = None, verify: object = True
+) -> str:
+    """Run ``image`` detached, as production would (read-only root, /tmp a tmpfs); its base URL. ``tls``:
+    a folder mounted at /tls, and the server's scheme HTTPS."""
     port = free_port()
     podman("rm", "-f", name, check=False)
+    mounts = ["-v", f"{bundle}:/bundle:ro"] + ([] if tls is None else ["-v", f"{tls}:/tls:ro"])
     podman(
-        "run", "-d", "--name", name, "-p", f"127.0.0.1:{port}:8000", "-v", f"{bundle}:/bundle:ro",
+        "run", "-d", "--name", name, "-p", f"127.0.0.1:{port}:8000", *mounts,
         "--read-only", "--tmpfs", "/tmp", "-e", "COREPLY_THREADS=1", *(f"-e{e}" for e in env), image,
     )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
+    base = f"{'http' if tls is None else 'https'}://127.0.0.1:{port}"
     try:
-        wait_for(base + "/readyz", timeout=120)
+        wait_for(base + "/readyz", timeout=120, verify=verify)
     except TimeoutError:
         raise AssertionError(podman("logs", name, check=False).stderr[-3000:]) from None
     return base
@@ -60,12 +64,30 @@ def test_cpu_image_serves_scrapes_and_drains_on_sigterm(readable_bundle):
         metrics = httpx.get(base + "/metrics").text
         assert "coreply_request_duration_seconds_bucket" in metrics
         assert podman("inspect", name, "--format", "{{.Config.User}}").stdout.strip() == "10001"
+        assert podman("healthcheck", "run", name, check=False).returncode == 0  # the image's own check
         body = {"context": ["hi", "how are you ?", TOPICS["sport"][0]], "n_candidates": 13, "fusion": "sum"}
         check_drain_under_load(base, body, lambda: podman("kill", "--signal", "TERM", name))
         code = int(podman("wait", name).stdout.strip())
         logs = podman("logs", name).stderr + podman("logs", name).stdout
         assert code in (0, 143), logs[-3000:]  # 143: uvicorn re-raises the SIGTERM after a clean shutdown
         assert "Application shutdown complete" in logs
+    finally:
+        podman("rm", "-f", name, check=False)
+
+
+def test_cpu_image_serves_https_and_its_health_check_speaks_it(readable_bundle, tmp_path):
+    import ssl
+
+    cert, key = make_cert(tmp_path, "coreply")
+    for path in (tmp_path, cert, key):
+        path.chmod(0o755 if path.is_dir() else 0o644)  # for the image's unprivileged user
+    name = "coreply-ci-tls"
+    trust = ssl.create_default_context(cafile=cert)
+    files = ("COREPLY_TLS_CERT_FILE=/tls/coreply.crt", "COREPLY_TLS_KEY_FILE=/tls/coreply.key")
+    base = start(IMAGE, readable_bundle, name, *files, tls=tmp_path, verify=trust)
+    try:
+        assert httpx.post(base + "/respond", json={"context": ["hello"]}, verify=trust).status_code == 200
+        assert podman("healthcheck", "run", name, check=False).returncode == 0
     finally:
         podman("rm", "-f", name, check=False)
 
