@@ -142,36 +142,22 @@ class ServiceState:
         self.metrics.ready.set(0)
 
     async def reload(self) -> bool:
-        """Swap in the configured bundle and API keys if they load, verify and warm; else keep the live
-        ones. True when the configured ones are served afterwards (swapped in, or already live). With
-        HTTPS, a renewed certificate is read first and served to new connections from then on (a wrong
-        one fails the reload, nothing swapped)."""
+        """Swap in the configured bundle, API keys and (with HTTPS) certificate if they load, verify and
+        warm; else keep the live ones, all of them. True when the configured ones are served afterwards
+        (swapped in, or already live)."""
         async with self._reloading:
             old = self.engine
             assert old is not None
             loop = asyncio.get_running_loop()
             try:
                 keys = await loop.run_in_executor(None, self.settings.read_keys)
-                renewed = self.tls is not None and await loop.run_in_executor(None, self.tls.renew)
-                if renewed:
-                    LOG.info("reloaded the TLS certificate", extra={"fields": {"cert": str(self.tls.cert)}})
-                if await loop.run_in_executor(None, is_version, self.settings.bundle, old.bundle.version):
-                    rekeyed = keys.keys != self.keys.keys
-                    if rekeyed:
-                        scopes = await loop.run_in_executor(None, scope_masks, keys, old.bundle.filters)
-                        self._swap_keys(keys)
-                        old.scopes = scopes  # no await since the swap: a request sees both or neither
-                        _log_scopes(old)
-                    if rekeyed or renewed:
-                        self.metrics.reloads.labels("ok").inc()
-                        return True
-                    self.metrics.reloads.labels("unchanged").inc()
-                    LOG.info(
-                        "reload: the bundle and the API keys are the ones serving",
-                        extra={"fields": {"serving": old.bundle.version}},
-                    )
-                    return True
-                new = await self._open(keys)
+                renewal = None if self.tls is None else await loop.run_in_executor(None, self.tls.read)
+                same = await loop.run_in_executor(None, is_version, self.settings.bundle, old.bundle.version)
+                rekeyed = keys.keys != self.keys.keys
+                if not same:
+                    new = await self._open(keys)
+                elif rekeyed:
+                    scopes = await loop.run_in_executor(None, scope_masks, keys, old.bundle.filters)
             except Exception as exc:
                 self.metrics.reloads.labels("failed").inc()
                 fields = {"error": f"{type(exc).__name__}: {exc}", "serving": old.bundle.version}
@@ -180,8 +166,23 @@ class ServiceState:
                     extra={"fields": fields},
                 )
                 return False
-            if keys.keys != self.keys.keys:
+            if renewal is not None and self.tls is not None:
+                self.tls.use(renewal)
+                LOG.info("reloaded the TLS certificate", extra={"fields": {"cert": str(self.tls.cert)}})
+            if rekeyed:
                 self._swap_keys(keys)
+                if same:
+                    old.scopes = scopes  # no await since the swap: a request sees both or neither
+                    _log_scopes(old)
+            if same:
+                result = "ok" if rekeyed or renewal is not None else "unchanged"
+                self.metrics.reloads.labels(result).inc()
+                if result == "unchanged":
+                    LOG.info(
+                        "reload: the bundle, the API keys and the certificate are the ones serving",
+                        extra={"fields": {"serving": old.bundle.version}},
+                    )
+                return True
             self.engine = new
             self._publish(new, old)
             self.metrics.reloads.labels("ok").inc()

@@ -34,8 +34,9 @@ def read_context(cert: Path, key: Path | None) -> ssl.SSLContext:
 
 
 class Certificate:
-    """The certificate served: ``server`` is the context uvicorn listens with; :meth:`renew` reads the files
-    again and, where they changed, has every new handshake use them."""
+    """The certificate served: ``server`` is the context uvicorn listens with. :meth:`read` reads the files
+    again, :meth:`use` has every new handshake use what it read (a reload does both, and uses it only
+    when the whole reload succeeds)."""
 
     def __init__(self, cert: Path, key: Path | None) -> None:
         self.cert, self.key = cert, key
@@ -45,20 +46,21 @@ class Certificate:
 
     def _digest(self) -> str:
         files = [self.cert] if self.key is None else [self.cert, self.key]
-        return hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()
+        try:
+            return hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()
+        except OSError as exc:
+            raise ValueError(f"{exc.filename}: cannot read it ({exc.strerror})") from None
 
     def _handshake(self, connection: ssl.SSLObject, server_name: str | None, context: ssl.SSLContext) -> None:
         if self._current is not context:
             connection.context = self._current
 
-    def renew(self) -> bool:
-        """Serve the files as they are now to new connections; False when they have not changed. A
-        ValueError (the certificate served is kept) says what is wrong with them."""
-        try:
-            digest = self._digest()
-        except OSError as exc:
-            raise ValueError(f"{exc.filename}: cannot read it ({exc.strerror})") from None
-        if digest == self._read:
-            return False
-        self._current, self._read = read_context(self.cert, self.key), digest
-        return True
+    def read(self) -> tuple[ssl.SSLContext, str] | None:
+        """The files as they are now, checked, with their digest for :meth:`use`; None when they have not
+        changed since they were last used. A ValueError says what is wrong with them."""
+        digest = self._digest()
+        return None if digest == self._read else (read_context(self.cert, self.key), digest)
+
+    def use(self, renewal: tuple[ssl.SSLContext, str]) -> None:
+        """Hand every new handshake from now on what :meth:`read` returned; open connections keep theirs."""
+        self._current, self._read = renewal

@@ -1,13 +1,16 @@
 """HTTPS settings (COREPLY_TLS_CERT_FILE, COREPLY_TLS_KEY_FILE): what is refused at start, in one line,
 and what a renewal reads. A real server's handshakes before and after a SIGHUP: tests/test_e2e.py."""
 
+import json
 import shutil
 from pathlib import Path
 
 import pytest
 from conftest import make_cert
+from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
+from service.app import create_app
 from service.settings import Settings
 from service.tls import Certificate, read_context
 
@@ -61,12 +64,41 @@ def test_a_renewal_reads_the_files_again_and_keeps_the_served_one_when_they_are_
     shutil.copy(certs / "a.crt", cert)
     shutil.copy(certs / "a.key", key)
     live = Certificate(cert, key)
-    assert live.server.sni_callback is not None and live.renew() is False  # the same files
+    assert live.server.sni_callback is not None and live.read() is None  # the same files
     shutil.copy(certs / "b.crt", cert)
     with pytest.raises(ValueError, match="KEY_VALUES_MISMATCH"):  # halfway through a rotation
-        live.renew()
+        live.read()
     shutil.copy(certs / "b.key", key)
-    assert live.renew() is True and live.renew() is False
+    renewal = live.read()
+    assert renewal is not None and live.read() is not None  # read, not yet used
+    live.use(renewal)
+    assert live.read() is None
     key.unlink()
     with pytest.raises(ValueError, match=r"live\.key: cannot read it"):
-        live.renew()
+        live.read()
+
+
+def test_a_reload_that_fails_uses_no_renewed_certificate(tiny_bundle, certs, tmp_path):
+    """Certificate, keys and bundle are swapped together or not at all: a renewed certificate beside a
+    key scoped by a field the pool lacks is not used, and is once the key file is right."""
+    cert, key, keys = tmp_path / "live.crt", tmp_path / "live.key", tmp_path / "keys.json"
+    shutil.copy(certs / "a.crt", cert)
+    shutil.copy(certs / "a.key", key)
+    keys.write_text(json.dumps({"bot": {"key": "k1"}}))
+    settings = Settings(
+        bundle=tiny_bundle, threads=1, tls_cert_file=cert, tls_key_file=key, api_keys_file=keys
+    )
+    app = create_app(settings)
+    with TestClient(app) as c:
+        shutil.copy(certs / "b.crt", cert)
+        shutil.copy(certs / "b.key", key)
+        keys.write_text(json.dumps({"bot": {"key": "k1", "filter": {"locale": "de"}}}))  # a field it lacks
+        assert c.portal.call(app.reload) is False
+        assert app.state.tls.read() is not None  # still not used
+        keys.write_text(json.dumps({"bot": {"key": "k1"}}))
+        assert c.portal.call(app.reload) is True  # the same keys and bundle: only the certificate
+        assert app.state.tls.read() is None
+        assert c.portal.call(app.reload) is True
+        metrics = c.get("/metrics", headers={"X-API-Key": "k1"}).text
+    for result, n in (("ok", 1), ("unchanged", 1), ("failed", 1)):
+        assert f'coreply_reloads_total{{result="{result}"}} {n}.0' in metrics
