@@ -5,7 +5,8 @@ The bundle is loaded in the lifespan (never at import) and must answer a golden 
 ``/readyz`` turns ready; SIGHUP reloads it the same way beside the live one. No input can produce a
 500: validation errors are 422 naming the field, bodies over the limit 413, a missing API key 401, a
 full queue 503, a request still queued at its own deadline 504. Every request gets an
-``X-Request-Id`` and one JSON access-log line."""
+``X-Request-Id`` and one JSON access-log line; a W3C ``traceparent`` puts the caller's trace id in that
+line and on the request-latency histogram as an exemplar."""
 
 import asyncio
 import contextlib
@@ -20,7 +21,7 @@ from fastapi import FastAPI
 from service import errors
 from service.cors import cors_layer
 from service.engine import Engine, load_engine
-from service.logs import ACCESS, request_id
+from service.logs import ACCESS, request_id, trace_context
 from service.metrics import Metrics
 from service.pages import install_pages
 from service.routes import build_router
@@ -57,8 +58,9 @@ class Guard:
             return
         route = scope["path"] if scope["path"] in ROUTES else "other"
         status = {"code": 500}
-        given = next((v for k, v in scope.get("headers", []) if k == b"x-request-id"), b"")
-        rid = request_id(given.decode("latin-1"))
+        headers = dict(scope.get("headers", []))
+        rid = request_id(headers.get(b"x-request-id", b"").decode("latin-1"))
+        trace = trace_context(headers.get(b"traceparent", b"").decode("latin-1"))
         note: dict[str, Any] = {}  # what the route adds to the access log (timings, dialogue if enabled)
         scope.setdefault("state", {})["log"] = note
 
@@ -86,9 +88,10 @@ class Guard:
             self.metrics.requests.labels(route, status_class).inc()
             if "key" in note:  # a valid API key was presented (service/deps.py)
                 self.metrics.key_requests.labels(note["key"], status_class).inc()
-            self.metrics.latency.labels(route).observe(elapsed)
+            exemplar = {"trace_id": trace["trace_id"]} if trace else None  # OpenMetrics scrapes only
+            self.metrics.latency.labels(route).observe(elapsed, exemplar)
             fields = {"request_id": rid, "method": scope["method"], "route": route, "status": status["code"]}
-            fields |= {"duration_ms": round(1000 * elapsed, 3), **note}
+            fields |= {**trace, "duration_ms": round(1000 * elapsed, 3), **note}
             ACCESS.info("request", extra={"fields": fields})
 
     async def _read_body(self, receive: Callable) -> bytes | None:

@@ -20,7 +20,8 @@ from starlette.types import ASGIApp
 from service.errors import CorsRefused, for_exception
 
 METHODS = ("GET", "POST")
-HEADERS = ("authorization", "x-api-key", "x-request-id", "x-request-timeout-ms")  # content-type: always
+# Request headers a page may send (content-type always): keys, request id, timeout, W3C trace context.
+HEADERS = ("authorization", "x-api-key", "x-request-id", "x-request-timeout-ms", "traceparent", "tracestate")
 EXPOSED = ("x-request-id", "retry-after")
 MAX_AGE_S = 600  # how long a browser may keep a preflight's answer
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import PlainTextResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.exposition import choose_encoder
 
 from service.deps import EngineDep, StateDep, key_check
 from service.errors import NeedsReranker, NotReady, ShuttingDown
@@ -99,8 +99,9 @@ def build_router(settings: Settings, request_model: type) -> APIRouter:
     @router.get(
         "/metrics", response_class=PlainTextResponse, dependencies=[Depends(key_check(settings, "/metrics"))]
     )
-    async def prometheus_metrics(state: StateDep) -> Response:
-        """Prometheus text exposition format."""
-        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    async def prometheus_metrics(request: Request, state: StateDep) -> Response:
+        """Prometheus text format, or OpenMetrics (with trace-id exemplars) when the scraper asks for it."""
+        encode, media_type = choose_encoder(request.headers.get("accept"))
+        return Response(encode(state.metrics.registry), media_type=media_type)
 
     return router

@@ -110,7 +110,8 @@ def test_gpu_image_with_a_cpu_torch_installs_the_gpu_stack_and_serves(readable_b
 @pytest.mark.skipif(not PROMETHEUS_IMAGE, reason="no Prometheus image")
 def test_compose_stack_prometheus_scrapes_coreply(readable_bundle):
     """docker/docker-compose.yml under podman-compose: coreply and a real Prometheus that scrapes it by its
-    service name and loads the alert rules (Grafana is not started: no image)."""
+    service name, loads the alert rules and stores the trace-id exemplars of request latencies (Grafana is
+    not started: no image)."""
     app_port, prom_port = free_port(), free_port()
     env = {
         **os.environ,
@@ -135,5 +136,18 @@ def test_compose_stack_prometheus_scrapes_coreply(readable_bundle):
         assert up_value == "1", "Prometheus never scraped coreply"
         rules = httpx.get(api + "/rules").json()["data"]["groups"]
         assert any(rule["name"] for group in rules for rule in group["rules"]), json.dumps(rules)[:500]
+        # A traced request's latency reaches Prometheus as an exemplar carrying the caller's trace id.
+        trace_id, started = "4bf92f3577b34da6a3ce929d0e0e4736", time.time() - 60
+        traceparent = f"00-{trace_id}-00f067aa0ba902b7-01"
+        respond = httpx.post(f"http://127.0.0.1:{app_port}/respond", json={"context": ["hello"]},
+                             headers={"traceparent": traceparent})  # fmt: skip
+        assert respond.status_code == 200
+        query = {"query": 'coreply_request_duration_seconds_bucket{route="/respond"}', "start": started}
+        deadline, traced = time.monotonic() + 60, []
+        while not traced and time.monotonic() < deadline:
+            time.sleep(1)
+            series = httpx.get(api + "/query_exemplars", params={**query, "end": time.time()}).json()["data"]
+            traced = [e for s in series for e in s["exemplars"] if e["labels"].get("trace_id") == trace_id]
+        assert traced, "no exemplar with the request's trace id reached Prometheus"
     finally:
         subprocess.run([*compose, "down", "-t", "5"], env=env, capture_output=True, timeout=300)

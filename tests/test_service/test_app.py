@@ -545,6 +545,53 @@ def test_request_ids_are_echoed_or_made_and_every_request_is_logged(client, capl
     assert "hello" not in json.dumps(lines)  # no dialogue text unless COREPLY_LOG_TEXT
 
 
+TRACE_ID, PARENT_ID = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+
+
+@pytest.mark.parametrize(
+    "header, expected",
+    [
+        (f"00-{TRACE_ID}-{PARENT_ID}-01", {"trace_id": TRACE_ID, "parent_id": PARENT_ID}),
+        (f"00-{TRACE_ID}-{PARENT_ID}-00", {"trace_id": TRACE_ID, "parent_id": PARENT_ID}),  # not sampled
+        (f"cc-{TRACE_ID}-{PARENT_ID}-01-later", {"trace_id": TRACE_ID, "parent_id": PARENT_ID}),  # future
+        (f"00-{TRACE_ID}-{PARENT_ID}-01-later", {}),  # version 00 has exactly four fields
+        (f"ff-{TRACE_ID}-{PARENT_ID}-01", {}),  # forbidden version
+        (f"00-{'0' * 32}-{PARENT_ID}-01", {}),  # all-zero trace id
+        (f"00-{TRACE_ID}-{'0' * 16}-01", {}),  # all-zero parent id
+        (f"00-{TRACE_ID.upper()}-{PARENT_ID}-01", {}),  # upper-case hex
+        (f"00-{TRACE_ID[:-1]}-{PARENT_ID}-01", {}),
+        ("", {}),
+        (None, {}),
+    ],
+)
+def test_trace_context_is_read_from_a_valid_traceparent_only(header, expected):
+    from service.logs import trace_context
+
+    assert trace_context(header) == expected
+
+
+def test_a_traceparent_joins_the_access_log_and_the_latency_exemplars_to_the_callers_trace(client, caplog):
+    caplog.set_level(logging.INFO, logger="coreply.access")
+    traced = client.post(
+        "/respond", json={"context": ["hello"]}, headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"}
+    )
+    assert traced.status_code == 200
+    bad = client.post("/respond", json={"context": ["hello"]}, headers={"traceparent": "00-nonsense"})
+    assert bad.status_code == 200  # an invalid header is ignored, never an error
+    first, second = [x for x in access_lines(caplog) if x["route"] == "/respond"][-2:]
+    assert first["trace_id"] == TRACE_ID and first["parent_id"] == PARENT_ID
+    assert "trace_id" not in second and "parent_id" not in second
+    plain = client.get("/metrics")
+    assert plain.headers["content-type"].startswith("text/plain") and TRACE_ID not in plain.text
+    openmetrics = client.get("/metrics", headers={"accept": "application/openmetrics-text; version=1.0.0"})
+    assert openmetrics.headers["content-type"].startswith("application/openmetrics-text")
+    assert openmetrics.text.rstrip().endswith("# EOF")
+    exemplars = [ln for ln in openmetrics.text.splitlines() if f'# {{trace_id="{TRACE_ID}"}}' in ln]
+    assert exemplars, "no exemplar carries the trace id"
+    for line in exemplars:
+        assert line.startswith("coreply_request_duration_seconds_bucket{") and 'route="/respond"' in line
+
+
 def test_dialogue_text_is_logged_only_when_enabled(tiny_bundle, caplog):
     caplog.set_level(logging.INFO, logger="coreply.access")
     with TestClient(create_app(Settings(bundle=tiny_bundle, threads=1, log_text=True))) as c:

@@ -82,6 +82,8 @@ def test_an_allowed_page_is_told_what_it_may_send_before_it_sends_it(client):
             "x-api-key",
             "x-request-id",
             "x-request-timeout-ms",
+            "traceparent",
+            "tracestate",
         }
         assert r.headers["access-control-max-age"] == "600"
         assert "access-control-allow-credentials" not in r.headers
