@@ -32,7 +32,7 @@ test: install
 test-full: install
 	$(BIN)/python -m pytest -q -m ""
 
-# Code and its layers (ruff, import-linter: pyproject.toml), Dockerfiles (hadolint), Prometheus config and alert rules (promtool, Debian package `prometheus`),
+# Code and its layers (ruff, import-linter: pyproject.toml), Dockerfiles (hadolint), Prometheus config and alert rules and their unit tests (promtool, Debian package `prometheus`),
 # Kubernetes manifests against the API schemas (strict: unknown fields fail), shell scripts (shellcheck: the GPU lease's
 # script has no second try).
 lint: install
@@ -42,6 +42,7 @@ lint: install
 	@command -v promtool >/dev/null || { echo "promtool missing: apt-get install prometheus" >&2; exit 1; }
 	promtool check config docker/prometheus/prometheus.yml
 	promtool check rules docker/prometheus/alerts.yml
+	promtool test rules docker/prometheus/alerts.test.yml
 	$(BIN)/kubernetes-validate --strict --quiet deploy/*.yaml
 	$(BIN)/shellcheck --severity=warning scripts/*.sh
 

@@ -86,5 +86,10 @@ class Metrics:
             ["result"],
             registry=r,
         )
+        self.tls_expiry = Gauge(
+            "coreply_tls_certificate_expiry_timestamp_seconds",
+            "When the TLS certificate served expires, Unix time (0 without HTTPS): a renewal SIGHUP moves it",
+            registry=r,
+        )
         for stage in STAGES:  # expose every series from the start
             self.stage.labels(stage)

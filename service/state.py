@@ -19,6 +19,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,8 @@ class ServiceState:
         self.keys: KeyRing = settings.keys  # the live API keys; a reload reads them again
         cert, key = settings.tls_cert_file, settings.tls_key_file
         self.tls = None if cert is None else Certificate(cert, key)  # HTTPS; a reload reads it again
+        if self.tls is not None:
+            metrics.tls_expiry.set(self.tls.not_after)
         self.ready = False
         self.draining = False
         self.admission = Admission()  # each API key's requests in flight, against its limit
@@ -168,7 +171,10 @@ class ServiceState:
                 return False
             if renewal is not None and self.tls is not None:
                 self.tls.use(renewal)
-                LOG.info("reloaded the TLS certificate", extra={"fields": {"cert": str(self.tls.cert)}})
+                self.metrics.tls_expiry.set(renewal.not_after)
+                until = datetime.fromtimestamp(renewal.not_after, timezone.utc).isoformat()
+                fields = {"cert": str(self.tls.cert), "not_after": until}
+                LOG.info("reloaded the TLS certificate", extra={"fields": fields})
             if rekeyed:
                 self._swap_keys(keys)
                 if same:

@@ -7,9 +7,16 @@ before it is used (never a new certificate beside the old key), and connections 
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
+import re
 import ssl
+from datetime import datetime, timezone
 from pathlib import Path
+from typing import NamedTuple
+
+_PEM = re.compile(rb"-----BEGIN CERTIFICATE-----(.+?)-----END CERTIFICATE-----", re.DOTALL)
 
 
 def read_context(cert: Path, key: Path | None) -> ssl.SSLContext:
@@ -33,6 +40,47 @@ def read_context(cert: Path, key: Path | None) -> ssl.SSLContext:
     return context
 
 
+def not_after(pem: bytes) -> float:
+    """When the first certificate in ``pem`` (the one served: a chain starts with it) expires, as Unix
+    time: its X.509 ``validity.notAfter``. A ValueError when there is no readable certificate."""
+    block = _PEM.search(pem)
+    try:
+        der = base64.b64decode(block.group(1)) if block else b""
+        _, body, _ = _tlv(der, 0)  # Certificate ::= SEQUENCE { tbsCertificate, signature...
+        _, at, _ = _tlv(der, body)  # TBSCertificate ::= SEQUENCE {
+        tag, _, end = _tlv(der, at)
+        at = end if tag == 0xA0 else at  # [0] version, absent in v1 certificates
+        for _ in range(3):  # serialNumber, signature algorithm, issuer
+            at = _tlv(der, at)[2]
+        _, validity, _ = _tlv(der, at)  # Validity ::= SEQUENCE { notBefore, notAfter }
+        tag, start, end = _tlv(der, _tlv(der, validity)[2])
+        text = der[start:end].decode("ascii")
+        # RFC 5280: UTCTime YYMMDDHHMMSSZ (years 1950-2049), GeneralizedTime YYYYMMDDHHMMSSZ from 2050
+        when = datetime.strptime(text, "%y%m%d%H%M%SZ" if tag == 0x17 else "%Y%m%d%H%M%SZ")
+    except (IndexError, ValueError, UnicodeDecodeError, binascii.Error):
+        raise ValueError("no X.509 certificate with a validity period in it") from None
+    return when.replace(tzinfo=timezone.utc).timestamp()
+
+
+def _tlv(der: bytes, at: int) -> tuple[int, int, int]:
+    """The DER element at ``at``: its tag, where its contents start and where they end."""
+    tag, length, at = der[at], der[at + 1], at + 2
+    if length & 0x80:  # long form: the next (length & 0x7F) bytes hold the length
+        width = length & 0x7F
+        length, at = int.from_bytes(der[at : at + width], "big"), at + width
+    if at + length > len(der):
+        raise IndexError("element runs past the end")
+    return tag, at, at + length
+
+
+class Renewal(NamedTuple):
+    """The certificate files as :meth:`Certificate.read` found them, checked."""
+
+    context: ssl.SSLContext
+    digest: str
+    not_after: float  # Unix time
+
+
 class Certificate:
     """The certificate served: ``server`` is the context uvicorn listens with. :meth:`read` reads the files
     again, :meth:`use` has every new handshake use what it read (a reload does both, and uses it only
@@ -43,6 +91,7 @@ class Certificate:
         self.server = read_context(cert, key)
         self.server.sni_callback = self._handshake
         self._current, self._read = self.server, self._digest()
+        self.not_after = self._not_after()  # of the certificate served, Unix time
 
     def _digest(self) -> str:
         files = [self.cert] if self.key is None else [self.cert, self.key]
@@ -51,16 +100,24 @@ class Certificate:
         except OSError as exc:
             raise ValueError(f"{exc.filename}: cannot read it ({exc.strerror})") from None
 
+    def _not_after(self) -> float:
+        try:
+            return not_after(self.cert.read_bytes())
+        except ValueError as exc:
+            raise ValueError(f"{self.cert}: {exc}") from None
+
     def _handshake(self, connection: ssl.SSLObject, server_name: str | None, context: ssl.SSLContext) -> None:
         if self._current is not context:
             connection.context = self._current
 
-    def read(self) -> tuple[ssl.SSLContext, str] | None:
-        """The files as they are now, checked, with their digest for :meth:`use`; None when they have not
-        changed since they were last used. A ValueError says what is wrong with them."""
+    def read(self) -> Renewal | None:
+        """The files as they are now, checked, for :meth:`use`; None when they have not changed since they
+        were last used. A ValueError says what is wrong with them."""
         digest = self._digest()
-        return None if digest == self._read else (read_context(self.cert, self.key), digest)
+        if digest == self._read:
+            return None
+        return Renewal(read_context(self.cert, self.key), digest, self._not_after())
 
-    def use(self, renewal: tuple[ssl.SSLContext, str]) -> None:
+    def use(self, renewal: Renewal) -> None:
         """Hand every new handshake from now on what :meth:`read` returned; open connections keep theirs."""
-        self._current, self._read = renewal
+        self._current, self._read, self.not_after = renewal

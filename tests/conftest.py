@@ -163,8 +163,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_cert(folder: Path, name: str) -> tuple[Path, Path]:
-    """A self-signed certificate for 127.0.0.1 whose subject is ``name``, and its key."""
+def make_cert(folder: Path, name: str, days: int = 2) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 whose subject is ``name``, valid for ``days``, and its key."""
     if shutil.which("openssl") is None:
         pytest.skip("needs the openssl command to make a certificate")
     cert, key = folder / f"{name}.crt", folder / f"{name}.key"
@@ -176,7 +176,7 @@ def make_cert(folder: Path, name: str) -> tuple[Path, Path]:
         "rsa:2048",
         "-nodes",
         "-days",
-        "2",
+        str(days),
         "-subj",
         f"/CN={name}",
     ]

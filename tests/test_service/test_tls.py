@@ -3,6 +3,8 @@ and what a renewal reads. A real server's handshakes before and after a SIGHUP: 
 
 import json
 import shutil
+import ssl
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -12,15 +14,17 @@ from pydantic import ValidationError
 
 from service.app import create_app
 from service.settings import Settings
-from service.tls import Certificate, read_context
+from service.tls import Certificate, not_after, read_context
 
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("tls")
     make_cert(folder, "a")
-    make_cert(folder, "b")
+    make_cert(folder, "b", days=30)
+    make_cert(folder, "c", days=10_000)  # past 2049: a GeneralizedTime, not a UTCTime
     (folder / "both.pem").write_bytes((folder / "a.crt").read_bytes() + (folder / "a.key").read_bytes())
+    (folder / "key-first.pem").write_bytes((folder / "c.key").read_bytes() + (folder / "c.crt").read_bytes())
     (folder / "junk").write_text("not pem\n")
     return folder
 
@@ -59,23 +63,52 @@ def test_files_that_cannot_serve_https_are_refused_at_start_naming_them(certs, c
         assert message.startswith("Value error, --tls-cert-file / --tls-key-file: ")
 
 
+def openssl_not_after(cert: Path) -> float:
+    said = subprocess.run(["openssl", "x509", "-enddate", "-noout", "-in", str(cert)], capture_output=True)
+    return ssl.cert_time_to_seconds(said.stdout.decode().strip().removeprefix("notAfter="))
+
+
+@pytest.mark.parametrize("name, file", [("a", "a.crt"), ("b", "b.crt"), ("c", "c.crt"), ("a", "both.pem"),
+                                        ("c", "key-first.pem")])  # fmt: skip
+def test_the_expiry_read_is_the_one_openssl_reads(certs, name, file):
+    assert not_after((certs / file).read_bytes()) == openssl_not_after(certs / f"{name}.crt")
+
+
+def test_a_file_without_a_readable_certificate_has_no_expiry(certs):
+    pem = (certs / "a.crt").read_bytes()
+    body = pem.split(b"\n")
+    truncated = b"\n".join([*body[:3], body[-2]])  # header, two lines of base64, footer
+    for wrong in (b"", b"not pem\n", (certs / "a.key").read_bytes(), truncated):
+        with pytest.raises(ValueError, match=r"no X\.509 certificate with a validity period in it"):
+            not_after(wrong)
+
+
 def test_a_renewal_reads_the_files_again_and_keeps_the_served_one_when_they_are_wrong(certs, tmp_path):
     cert, key = tmp_path / "live.crt", tmp_path / "live.key"
     shutil.copy(certs / "a.crt", cert)
     shutil.copy(certs / "a.key", key)
     live = Certificate(cert, key)
     assert live.server.sni_callback is not None and live.read() is None  # the same files
+    assert live.not_after == openssl_not_after(certs / "a.crt")
     shutil.copy(certs / "b.crt", cert)
     with pytest.raises(ValueError, match="KEY_VALUES_MISMATCH"):  # halfway through a rotation
         live.read()
     shutil.copy(certs / "b.key", key)
     renewal = live.read()
     assert renewal is not None and live.read() is not None  # read, not yet used
+    assert live.not_after == openssl_not_after(certs / "a.crt")
     live.use(renewal)
-    assert live.read() is None
+    assert live.read() is None and live.not_after == openssl_not_after(certs / "b.crt")
     key.unlink()
     with pytest.raises(ValueError, match=r"live\.key: cannot read it"):
         live.read()
+
+
+def expiry(metrics: str) -> float:
+    (line,) = [
+        x for x in metrics.splitlines() if x.startswith("coreply_tls_certificate_expiry_timestamp_seconds ")
+    ]
+    return float(line.split()[1])
 
 
 def test_a_reload_that_fails_uses_no_renewed_certificate(tiny_bundle, certs, tmp_path):
@@ -90,6 +123,9 @@ def test_a_reload_that_fails_uses_no_renewed_certificate(tiny_bundle, certs, tmp
     )
     app = create_app(settings)
     with TestClient(app) as c:
+        assert expiry(c.get("/metrics", headers={"X-API-Key": "k1"}).text) == openssl_not_after(
+            certs / "a.crt"
+        )
         shutil.copy(certs / "b.crt", cert)
         shutil.copy(certs / "b.key", key)
         keys.write_text(json.dumps({"bot": {"key": "k1", "filter": {"locale": "de"}}}))  # a field it lacks
@@ -100,5 +136,6 @@ def test_a_reload_that_fails_uses_no_renewed_certificate(tiny_bundle, certs, tmp
         assert app.state.tls.read() is None
         assert c.portal.call(app.reload) is True
         metrics = c.get("/metrics", headers={"X-API-Key": "k1"}).text
+    assert expiry(metrics) == openssl_not_after(certs / "b.crt")
     for result, n in (("ok", 1), ("unchanged", 1), ("failed", 1)):
         assert f'coreply_reloads_total{{result="{result}"}} {n}.0' in metrics
