@@ -102,6 +102,12 @@ def test_dashboard_and_alerts_query_only_exported_metrics():
     assert queried and queried <= exported, queried - exported
 
 
+def test_the_cluster_alerts_are_the_compose_alerts():
+    rule = manifest("prometheusrule.yaml")
+    alerts = yaml.safe_load((DOCKER / "prometheus" / "alerts.yml").read_text())
+    assert rule["kind"] == "PrometheusRule" and rule["spec"]["groups"] == alerts["groups"]
+
+
 def test_compose_scrapes_the_coreply_service_on_its_port():
     compose = yaml.safe_load((DOCKER / "docker-compose.yml").read_text())
     scrape = yaml.safe_load((DOCKER / "prometheus" / "prometheus.yml").read_text())
