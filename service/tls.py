@@ -88,21 +88,27 @@ class Certificate:
 
     def __init__(self, cert: Path, key: Path | None) -> None:
         self.cert, self.key = cert, key
-        self.server = read_context(cert, key)
+        first = self._read_files(served=None)
+        assert first is not None
+        self.server = first.context
         self.server.sni_callback = self._handshake
-        self._current, self._read = self.server, self._digest()
-        self.not_after = self._not_after()  # of the certificate served, Unix time
+        self._current, self._read, self.not_after = first  # not_after: of the certificate served
 
-    def _digest(self) -> str:
+    def _read_files(self, served: str | None) -> Renewal | None:
+        """The files read once for their digest and expiry, then loaded; None when the digest is
+        ``served``. Read before they are loaded, so a file replaced in between has another digest and
+        the next read loads it again."""
         files = [self.cert] if self.key is None else [self.cert, self.key]
         try:
-            return hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()
+            contents = [f.read_bytes() for f in files]
         except OSError as exc:
             raise ValueError(f"{exc.filename}: cannot read it ({exc.strerror})") from None
-
-    def _not_after(self) -> float:
+        digest = hashlib.sha256(b"".join(contents)).hexdigest()
+        if digest == served:
+            return None
+        context = read_context(self.cert, self.key)
         try:
-            return not_after(self.cert.read_bytes())
+            return Renewal(context, digest, not_after(contents[0]))
         except ValueError as exc:
             raise ValueError(f"{self.cert}: {exc}") from None
 
@@ -113,10 +119,7 @@ class Certificate:
     def read(self) -> Renewal | None:
         """The files as they are now, checked, for :meth:`use`; None when they have not changed since they
         were last used. A ValueError says what is wrong with them."""
-        digest = self._digest()
-        if digest == self._read:
-            return None
-        return Renewal(read_context(self.cert, self.key), digest, self._not_after())
+        return self._read_files(served=self._read)
 
     def use(self, renewal: Renewal) -> None:
         """Hand every new handshake from now on what :meth:`read` returned; open connections keep theirs."""

@@ -111,6 +111,27 @@ def expiry(metrics: str) -> float:
     return float(line.split()[1])
 
 
+def test_files_renewed_while_they_are_loaded_are_loaded_again_on_the_next_read(certs, tmp_path, monkeypatch):
+    import service.tls
+
+    cert, key = tmp_path / "live.crt", tmp_path / "live.key"
+    shutil.copy(certs / "a.crt", cert)
+    shutil.copy(certs / "a.key", key)
+
+    def load_then_renew(*files: Path):  # the renewal lands just after the files were loaded
+        context = read_context(*files)
+        shutil.copy(certs / "b.crt", cert)
+        shutil.copy(certs / "b.key", key)
+        return context
+
+    monkeypatch.setattr(service.tls, "read_context", load_then_renew)
+    live = Certificate(cert, key)
+    monkeypatch.undo()
+    assert live.not_after == openssl_not_after(certs / "a.crt")  # what is served
+    renewal = live.read()
+    assert renewal is not None and renewal.not_after == openssl_not_after(certs / "b.crt")
+
+
 def test_a_reload_that_fails_uses_no_renewed_certificate(tiny_bundle, certs, tmp_path):
     """Certificate, keys and bundle are swapped together or not at all: a renewed certificate beside a
     key scoped by a field the pool lacks is not used, and is once the key file is right."""
