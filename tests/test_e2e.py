@@ -248,7 +248,7 @@ def test_https_serves_a_renewed_certificate_after_sighup_and_keeps_it_through_a_
     import signal
     import ssl
 
-    a, b = make_cert(tmp_path, "cert-a"), make_cert(tmp_path, "cert-b")
+    a, b = make_cert(tmp_path, "cert-a"), make_cert(tmp_path, "cert-b", days=30)
     cert, key = tmp_path / "live.crt", tmp_path / "live.key"
     shutil.copy(a[0], cert)
     shutil.copy(a[1], key)
@@ -275,10 +275,12 @@ def test_https_serves_a_renewed_certificate_after_sighup_and_keeps_it_through_a_
         shutil.copy(a[1], key)  # the old key beside the new certificate: refused, cert-b still served
         process.send_signal(signal.SIGHUP)
         deadline = time.monotonic() + 30
-        while 'result="failed"' not in httpx.get(base + "/metrics", verify=trusts["b"]).text:
+        while 'result="failed"' not in (metrics := httpx.get(base + "/metrics", verify=trusts["b"]).text):
             assert time.monotonic() < deadline, log.read_text()[-2000:]
             time.sleep(0.2)
         assert httpx.post(base + "/respond", json=hello, verify=trusts["b"]).status_code == 200
+        expiry = re.search(r"^coreply_tls_certificate_expiry_timestamp_seconds (\S+)$", metrics, re.M)
+        assert expiry and 29 * 86400 < float(expiry.group(1)) - time.time() <= 30 * 86400  # b's, kept
     finally:
         process.terminate()
         process.wait(timeout=30)
