@@ -10,6 +10,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 
@@ -100,6 +101,30 @@ class Engine:
         grounded = time.perf_counter()
         self.pipeline.rerank(queries, candidates, [n for _, _, n in items])
         return candidates, {"knowledge": grounded - start, "rerank": time.perf_counter() - grounded}
+
+    def describe(self) -> dict[str, Any]:
+        """What this engine serves and how: ``/readyz``'s body and the log line of a start or reload."""
+        bundle, pipeline, gating = self.bundle, self.pipeline, self.settings.rerank_gate
+        return {
+            "bundle_version": bundle.version,
+            "responses": len(bundle.texts),
+            "withdrawn": len(bundle.withdrawn),
+            "filter_fields": sorted(bundle.filters.fields),
+            "backend": self.backend.name,
+            "reranker": pipeline.reranker,
+            "rerank_gate": pipeline.gate if gating else None,
+            "rerank_reach": pipeline.reach if gating else None,
+            "restatement_guard": bundle.manifest.get("restatement"),
+            "response_prior": bundle.manifest.get("prior"),
+            "lexical": bundle.manifest.get("lexical"),
+            "knowledge": {
+                "reads": pipeline.reads_knowledge,
+                "retriever": pipeline.select_knowledge is not None,
+                "default_sentences": len(bundle.knowledge),
+            },
+            "threads": self.threads,
+            "overlap_stages": self.overlap_stages,
+        }
 
     # ------------------------------------------------------------------------------------ request path
 

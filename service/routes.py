@@ -74,27 +74,7 @@ def build_router(settings: Settings, request_model: type) -> APIRouter:
         engine = state.engine
         if not state.ready or engine is None:
             raise NotReady()
-        return {
-            "status": "ready",
-            "bundle_version": engine.bundle.version,
-            "responses": len(engine.bundle.texts),
-            "withdrawn": len(engine.bundle.withdrawn),
-            "filter_fields": sorted(engine.bundle.filters.fields),
-            "backend": engine.backend.name,
-            "reranker": engine.pipeline.reranker,
-            "rerank_gate": engine.pipeline.gate if engine.settings.rerank_gate else None,
-            "rerank_reach": engine.pipeline.reach if engine.settings.rerank_gate else None,
-            "restatement_guard": engine.bundle.manifest.get("restatement"),
-            "response_prior": engine.bundle.manifest.get("prior"),
-            "lexical": engine.bundle.manifest.get("lexical"),
-            "knowledge": {
-                "reads": engine.pipeline.reads_knowledge,
-                "retriever": engine.pipeline.select_knowledge is not None,
-                "default_sentences": len(engine.bundle.knowledge),
-            },
-            "threads": engine.threads,
-            "overlap_stages": engine.overlap_stages,
-        }
+        return {"status": "ready", **engine.describe()}
 
     @router.get(
         "/metrics", response_class=PlainTextResponse, dependencies=[Depends(key_check(settings, "/metrics"))]

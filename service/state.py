@@ -128,10 +128,16 @@ class ServiceState:
         _log_scopes(engine)
 
     async def start(self) -> None:
+        started = time.perf_counter()
         self.engine = await self._open(self.keys)
         self._publish(self.engine)
         self.ready = True
         self.metrics.ready.set(0 if self.draining else 1)
+        fields = {"load_s": round(time.perf_counter() - started, 2), **self.engine.describe()}
+        cert = self.tls
+        tls = None if cert is None else {"cert": str(cert.cert), "not_after": _iso(cert.not_after)}
+        fields |= {"tls": tls, "api_keys": sorted({k.name for k in self.keys.keys})}  # names, never keys
+        LOG.info("serving", extra={"fields": fields})
 
     async def stop(self) -> None:
         self.ready = False
@@ -172,8 +178,7 @@ class ServiceState:
             if renewal is not None and self.tls is not None:
                 self.tls.use(renewal)
                 self.metrics.tls_expiry.set(renewal.not_after)
-                until = datetime.fromtimestamp(renewal.not_after, timezone.utc).isoformat()
-                fields = {"cert": str(self.tls.cert), "not_after": until}
+                fields = {"cert": str(self.tls.cert), "not_after": _iso(renewal.not_after)}
                 LOG.info("reloaded the TLS certificate", extra={"fields": fields})
             if rekeyed:
                 self._swap_keys(keys)
@@ -192,7 +197,7 @@ class ServiceState:
             self.engine = new
             self._publish(new, old)
             self.metrics.reloads.labels("ok").inc()
-            LOG.info("reloaded", extra={"fields": {"old": old.bundle.version, "new": new.bundle.version}})
+            LOG.info("reloaded", extra={"fields": {"old": old.bundle.version, **new.describe()}})
             await old.retire(self.settings.drain_seconds)
             return True
 
@@ -225,6 +230,10 @@ def _log_scopes(engine: Engine) -> None:
             "API keys whose filter allows no response of this pool: their answers are the fallback",
             extra={"fields": {"bundle": version, "keys": none}},
         )
+
+
+def _iso(timestamp: float) -> str:
+    return datetime.fromtimestamp(timestamp, timezone.utc).isoformat()
 
 
 def is_version(root: Path, version: str) -> bool:

@@ -545,6 +545,17 @@ def test_request_ids_are_echoed_or_made_and_every_request_is_logged(client, capl
     assert "hello" not in json.dumps(lines)  # no dialogue text unless COREPLY_LOG_TEXT
 
 
+def test_the_start_says_what_is_served_in_one_line_and_readyz_says_the_same(tiny_bundle, caplog):
+    caplog.set_level(logging.INFO, logger="coreply.service")
+    with TestClient(create_app(Settings(bundle=tiny_bundle, threads=1, api_keys="sekrit-key"))) as c:
+        ready = c.get("/readyz", headers={"X-API-Key": "sekrit-key"}).json()
+    (line,) = [r.fields for r in caplog.records if r.getMessage() == "serving"]
+    assert ready.pop("status") == "ready" and ready.items() <= line.items()
+    assert line["bundle_version"] == load_bundle(tiny_bundle).version and line["load_s"] > 0
+    assert line["tls"] is None and line["api_keys"] == ["default"]
+    assert "sekrit" not in json.dumps(line)  # the keys' names, never the keys
+
+
 TRACE_ID, PARENT_ID = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
 
 
