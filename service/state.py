@@ -19,7 +19,6 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -134,8 +133,7 @@ class ServiceState:
         self.ready = True
         self.metrics.ready.set(0 if self.draining else 1)
         fields = {"load_s": round(time.perf_counter() - started, 2), **self.engine.describe()}
-        cert = self.tls
-        tls = None if cert is None else {"cert": str(cert.cert), "not_after": _iso(cert.not_after)}
+        tls = None if self.tls is None else self.tls.describe()
         fields |= {"tls": tls, "api_keys": sorted({k.name for k in self.keys.keys})}  # names, never keys
         LOG.info("serving", extra={"fields": fields})
 
@@ -178,8 +176,7 @@ class ServiceState:
             if renewal is not None and self.tls is not None:
                 self.tls.use(renewal)
                 self.metrics.tls_expiry.set(renewal.not_after)
-                fields = {"cert": str(self.tls.cert), "not_after": _iso(renewal.not_after)}
-                LOG.info("reloaded the TLS certificate", extra={"fields": fields})
+                LOG.info("reloaded the TLS certificate", extra={"fields": self.tls.describe()})
             if rekeyed:
                 self._swap_keys(keys)
                 if same:
@@ -230,10 +227,6 @@ def _log_scopes(engine: Engine) -> None:
             "API keys whose filter allows no response of this pool: their answers are the fallback",
             extra={"fields": {"bundle": version, "keys": none}},
         )
-
-
-def _iso(timestamp: float) -> str:
-    return datetime.fromtimestamp(timestamp, timezone.utc).isoformat()
 
 
 def is_version(root: Path, version: str) -> bool:

@@ -121,6 +121,11 @@ class Certificate:
         were last used. A ValueError says what is wrong with them."""
         return self._read_files(served=self._read)
 
+    def describe(self) -> dict[str, str]:
+        """The certificate served, for the log: its file and when it expires."""
+        expires = datetime.fromtimestamp(self.not_after, timezone.utc).isoformat()
+        return {"cert": str(self.cert), "not_after": expires}
+
     def use(self, renewal: Renewal) -> None:
         """Hand every new handshake from now on what :meth:`read` returned; open connections keep theirs."""
         self._current, self._read, self.not_after = renewal

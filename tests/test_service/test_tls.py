@@ -2,9 +2,11 @@
 and what a renewal reads. A real server's handshakes before and after a SIGHUP: tests/test_e2e.py."""
 
 import json
+import logging
 import shutil
 import ssl
 import subprocess
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -132,7 +134,7 @@ def test_files_renewed_while_they_are_loaded_are_loaded_again_on_the_next_read(c
     assert renewal is not None and renewal.not_after == openssl_not_after(certs / "b.crt")
 
 
-def test_a_reload_that_fails_uses_no_renewed_certificate(tiny_bundle, certs, tmp_path):
+def test_a_reload_that_fails_uses_no_renewed_certificate(tiny_bundle, certs, tmp_path, caplog):
     """Certificate, keys and bundle are swapped together or not at all: a renewed certificate beside a
     key scoped by a field the pool lacks is not used, and is once the key file is right."""
     cert, key, keys = tmp_path / "live.crt", tmp_path / "live.key", tmp_path / "keys.json"
@@ -143,6 +145,7 @@ def test_a_reload_that_fails_uses_no_renewed_certificate(tiny_bundle, certs, tmp
         bundle=tiny_bundle, threads=1, tls_cert_file=cert, tls_key_file=key, api_keys_file=keys
     )
     app = create_app(settings)
+    caplog.set_level(logging.INFO, logger="coreply.service")
     with TestClient(app) as c:
         assert expiry(c.get("/metrics", headers={"X-API-Key": "k1"}).text) == openssl_not_after(
             certs / "a.crt"
@@ -158,5 +161,10 @@ def test_a_reload_that_fails_uses_no_renewed_certificate(tiny_bundle, certs, tmp
         assert c.portal.call(app.reload) is True
         metrics = c.get("/metrics", headers={"X-API-Key": "k1"}).text
     assert expiry(metrics) == openssl_not_after(certs / "b.crt")
+    logged = {r.getMessage(): r.fields for r in caplog.records if hasattr(r, "fields")}
+    started, renewed = logged["serving"]["tls"], logged["reloaded the TLS certificate"]
+    assert datetime.fromisoformat(started["not_after"]).timestamp() == openssl_not_after(certs / "a.crt")
+    assert datetime.fromisoformat(renewed["not_after"]).timestamp() == openssl_not_after(certs / "b.crt")
+    assert started["cert"] == renewed["cert"] == str(cert)
     for result, n in (("ok", 1), ("unchanged", 1), ("failed", 1)):
         assert f'coreply_reloads_total{{result="{result}"}} {n}.0' in metrics
