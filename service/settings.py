@@ -10,7 +10,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.cors import Origins, parse_origins
 from service.keys import KeyRing, env_keys, read_key_file
-from service.tls import read_context
+from service.tls import Certificate
 
 DEFAULT_BUNDLE = Path("artifacts/default-bundle")
 
@@ -173,8 +173,8 @@ class Settings(BaseSettings):
         if self.tls_key_file is not None and self.tls_cert_file is None:
             raise ValueError("COREPLY_TLS_KEY_FILE is set without COREPLY_TLS_CERT_FILE, its certificate")
         if self.tls_cert_file is not None:
-            try:  # said at start, not at the first handshake
-                read_context(self.tls_cert_file, self.tls_key_file)
+            try:  # said at start, not at the first handshake: read as the server will read them
+                Certificate(self.tls_cert_file, self.tls_key_file)
             except ValueError as exc:
                 raise ValueError(f"--tls-cert-file / --tls-key-file: {exc}") from None
         self._keys = self.read_keys()
