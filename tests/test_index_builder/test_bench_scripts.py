@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
 from conftest import reseal
 
 from coreply.bundle import SEALING, load_bundle
@@ -82,6 +83,30 @@ def test_rerank_ops_profiles_the_onnx_reranker(tiny_bundle):
     table = run.stdout.split("| operator | ms per request | share |")[1]
     assert "rerank ms a request, served" in run.stdout and "rerank ms a request, all fusions" in run.stdout
     assert "of 4 requests" in run.stdout and "MatMul" in table and "SkipLayerNormalization" not in table
+
+
+def test_openvino_rerank_says_in_one_line_that_openvino_is_missing(monkeypatch, tiny_bundle):
+    script = load_script("openvino_rerank", monkeypatch)
+    monkeypatch.setitem(sys.modules, "openvino", None)  # an import of it raises ImportError
+    monkeypatch.setattr(sys, "argv", ["openvino_rerank.py", "--bundle", str(tiny_bundle)])
+    try:
+        script.main()
+    except SystemExit as exc:
+        assert str(exc) == "openvino is not installed: pip install openvino, then run this again"
+    else:
+        raise AssertionError("ran without openvino")
+
+
+def test_openvino_rerank_scores_the_served_pairs_in_each_runtime(tmp_path, tiny_bundle):
+    pytest.importorskip("openvino", reason="openvino is not a coreply dependency")
+    out = tmp_path / "openvino.json"
+    bench("openvino_rerank.py", "--bundle", str(tiny_bundle), "--n-r", "3", "--requests", "4",
+          "--rounds", "1", "--out", str(out))  # fmt: skip
+    results = json.loads(out.read_text())["results"]
+    runtimes = {"ONNX Runtime int8 (served)", "OpenVINO fp32, fp32 graph", "OpenVINO, served int8 graph"}
+    assert runtimes <= set(results)
+    assert all(r["ms_median"] > 0 and r["pearson"] > 0.9 for r in results.values())
+    assert results["OpenVINO fp32, fp32 graph"]["max_abs_diff"] < 1e-3  # the model's own function
 
 
 def test_int8_products_times_each_way_at_a_pair_and_a_packed_request():
