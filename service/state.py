@@ -94,8 +94,14 @@ class ServiceState:
         self._reloading = asyncio.Lock()
 
     async def _warm(self, engine: Engine) -> None:
+        """The golden query through ``engine``, counted in no metric: it is not traffic, and its first pass,
+        the slowest an engine makes, would reach the stage latencies at every start and reload."""
         golden = self.request_model(context=GOLDEN, min_retrieval_score=None)  # the model, not the threshold
-        answer = await engine.respond(make_job(golden, engine))
+        live, engine.metrics = engine.metrics, Metrics()  # a registry of its own, never scraped
+        try:
+            answer = await engine.respond(make_job(golden, engine))
+        finally:
+            engine.metrics = live
         if not answer["responses"] or not all(math.isfinite(r["score"]) for r in answer["responses"]):
             raise RuntimeError(f"bundle {engine.bundle.version} gave no usable answer to the golden query")
 
