@@ -13,7 +13,8 @@ bf16 peak (H100/H200) and, on any device, by a measured large-matmul peak.
 ``--variant`` adds ablations of the same mode: ``no-cache`` (every step calls the tokenizer, as before
 the id cache), ``no-prefetch``, ``chunks=N`` (reranker pairs in token-budget chunks of N), ``batch=N``,
 ``compile``, ``packed`` (every model input without padding: ``--packed``; ``packed-compile`` with
-``compile``), ``mined=N`` (N of the negatives are the pool's paraphrases of the last turn, mined by the
+``compile``), ``cpu-bf16`` (bf16 autocast on a CPU: ``--cpu-bf16``; ``packed-cpu-bf16`` with
+``packed``), ``mined=N`` (N of the negatives are the pool's paraphrases of the last turn, mined by the
 retriever as the lease's runs do; the miner's refresh, every ``hard_refresh`` steps, falls in the warm-up,
 so the timed steps show the per-step cost of mining, not the refresh's).
 
@@ -213,6 +214,9 @@ def packed_check(model: ModelConfig, pairs, device: torch.device, n: int = 256) 
 
 def config_for(base: TrainConfig, mode: str, variant: str, teacher: str) -> TrainConfig:
     cfg = replace(base, mode=mode, teacher=teacher if mode == "distill" else None, packed=False)
+    if variant.endswith("cpu-bf16"):  # bf16 autocast on a CPU too (CUDA always has it)
+        cfg = replace(cfg, cpu_bf16=True)
+        variant = variant.removesuffix("cpu-bf16").rstrip("-") or "base"
     if variant == "no-prefetch":
         cfg = replace(cfg, prefetch=False)
     elif variant in ("compile", "packed", "packed-compile"):
@@ -235,7 +239,8 @@ def main() -> None:
         "--variant",
         nargs="+",
         default=["base"],
-        help="base, no-cache, no-prefetch, chunks=N, batch=N, compile, packed, packed-compile, mined=N",
+        help="base, no-cache, no-prefetch, chunks=N, batch=N, compile, packed, packed-compile, cpu-bf16, "
+        "packed-cpu-bf16, mined=N",
     )
     p.add_argument(
         "--base-model", default=None, help="default: all-MiniLM-L6-v2 on CUDA, the tiny model on CPU"

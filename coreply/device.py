@@ -66,11 +66,12 @@ def one_openmp_thread() -> None:
     threadpool_limits(1, user_api="openmp")
 
 
-def autocast(device: torch.device):
-    """bf16 autocast on CUDA, a no-op (fp32) on CPU."""
+def autocast(device: torch.device, cpu_bf16: bool = False):
+    """bf16 autocast on CUDA; on a CPU a no-op (fp32) unless ``cpu_bf16``."""
     import torch
 
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    on = device.type == "cuda" or (device.type == "cpu" and cpu_bf16)
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=on)
 
 
 def _cpu_supports(*features: str) -> bool:

@@ -44,7 +44,17 @@ def check_fields(config: Any, **groups: Sequence[str]) -> None:
 
 
 RESUMABLE = frozenset(
-    {"max_steps", "epochs", "max_minutes", "patience", "eval_every", "log_every", "device", "prefetch"}
+    {
+        "max_steps",
+        "epochs",
+        "max_minutes",
+        "patience",
+        "eval_every",
+        "log_every",
+        "device",
+        "prefetch",
+        "cpu_bf16",
+    }
 )
 """What ``coreply train --resume`` may change: the budget and the bookkeeping, never the recipe."""
 
@@ -107,6 +117,9 @@ HELP = {
     "the run's",
     "prefetch": "build the next step's lists and token ids in a thread while this step runs",
     "compile": "torch.compile the models (dynamic shapes)",
+    "cpu_bf16": "on a CPU, train under bf16 autocast as CUDA always does (the weights stay fp32): faster "
+    "where the CPU has bf16 instructions (AMX, AVX-512 BF16; docs/results.md 71), emulated and slow "
+    "elsewhere",
     "grad_clip": "gradient-norm clip (the precursor paper's value)",
     "seed": "seed of the data order, the negatives and the initialisation",
     "eval_every": "steps between validations (checkpoints keep the best validation hits@1)",
@@ -167,6 +180,7 @@ class TrainConfig:
     packed: bool | None = None
     prefetch: bool = True
     compile: bool = False
+    cpu_bf16: bool = False
     grad_clip: float = 10.0
     seed: int = 42
     eval_every: int = 200

@@ -35,7 +35,7 @@ from coreply.adapters import add_lora, lora_settings
 from coreply.artifacts import write_json_atomic
 from coreply.checkpoint import load_checkpoint, save_checkpoint
 from coreply.corpus import NegativeSampler, Pair
-from coreply.device import autocast, resolve_device
+from coreply.device import autocast, cpu_has_bf16_dot, resolve_device
 from coreply.models import BiEncoder, CrossEncoder, MLPHead, PolyEncoder, poly_scores, retriever_class
 from coreply.text import normalize
 from coreply.tokenization import Batch, DialogueTokenizer, token_budget_chunks
@@ -224,6 +224,8 @@ class Trainer:
         if self.world > 1 and self.device.type == "cuda":
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
             torch.cuda.set_device(self.device)
+        if config.cpu_bf16 and self.device.type == "cpu" and not cpu_has_bf16_dot():
+            log.warning("--cpu-bf16: this CPU has no bf16 instructions (AVX-512 BF16, AMX): it is slow here")
         torch.manual_seed(config.seed)
         self.train_pairs = list(train)
         self.valid_pairs = list(valid)[: config.valid_size]
@@ -584,7 +586,7 @@ class Trainer:
         """Forward/backward one micro-batch; gradients accumulate (scaled by 1 / grad_accum). In ``mutual``
         mode the reranker's backward must wait for the retriever's update: its inputs are returned."""
         cfg = self.cfg
-        with autocast(self.device):
+        with autocast(self.device, cfg.cpu_bf16):
             R = R_ce = G = None
             if self.bi is not None:
                 R, R_ce = self._bi_scores(mb)
@@ -655,7 +657,7 @@ class Trainer:
         if cfg.mode == "mutual":
             # Algorithm 1, line 10: recompute the retriever's predictions after its update.
             for mb, G in pending:
-                with torch.no_grad(), autocast(self.device):
+                with torch.no_grad(), autocast(self.device, cfg.cpu_bf16):
                     A_new, _ = self._bi_scores(mb)
                 self._backward(
                     "cross", listwise_ce(G), cfg.alpha * kl_to_target(A_new, G, cfg.tau), scale, logs

@@ -13,7 +13,7 @@ from coreply.config import ModelConfig
 from coreply.corpus import NegativeSampler
 from coreply.text import normalize
 from evaluation.protocols import recall_pool
-from training.config import TrainConfig
+from training.config import RESUMABLE, TrainConfig
 from training.losses import kl_to_target, listwise_ce
 from training.sampling import HardNegativeMiner
 from training.trainer import StepLosses, Trainer, in_row_order, steps_within
@@ -759,3 +759,29 @@ def test_a_match_head_reranker_learns_and_keeps_its_scale_trainable_under_adapte
     adapted = CrossEncoder.from_pretrained(model)
     add_lora(adapted, 4, 8.0)
     assert "head.log_scale" in trainable_state(adapted)
+
+
+def test_cpu_bf16_trains_under_autocast_with_fp32_weights(
+    tmp_path, tiny_model_dir, toy_pairs, monkeypatch, caplog
+):
+    """``--cpu-bf16``: a CPU step runs its models under bf16 autocast, as CUDA's do (the step's losses are
+    bf16's, near fp32's and not equal to them), the weights stay fp32, a resumed run may turn it on or
+    off, and a CPU without bf16 instructions is warned."""
+    losses = {}
+    for bf16 in (False, True):
+        out = str(tmp_path / str(bf16))
+        trainer = Trainer(
+            config(tmp_path, tiny_model_dir, cpu_bf16=bf16, output_dir=out), toy_pairs, [], pool_of(toy_pairs)
+        )
+        trainer.bi.eval(), trainer.cross.eval()  # no dropout: the same step but for the precision
+        losses[bf16] = trainer.reduce_losses(trainer.train_step(0, 0))
+        assert all(p.dtype == torch.float32 for p in [*trainer.bi.parameters(), *trainer.cross.parameters()])
+    fp32, bf16 = losses[False], losses[True]
+    assert fp32.keys() == bf16.keys() and any(bf16[k] != fp32[k] for k in fp32)
+    assert all(abs(bf16[k] - fp32[k]) < 0.05 * max(1.0, abs(fp32[k])) for k in fp32), (fp32, bf16)
+    assert "cpu_bf16" in RESUMABLE
+
+    monkeypatch.setattr(trainer_module, "cpu_has_bf16_dot", lambda: False)
+    cfg = config(tmp_path, tiny_model_dir, cpu_bf16=True, output_dir=str(tmp_path / "slow"))
+    Trainer(cfg, toy_pairs, [], pool_of(toy_pairs))
+    assert "--cpu-bf16: this CPU has no bf16 instructions" in caplog.text
