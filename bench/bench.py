@@ -495,7 +495,10 @@ def main() -> None:
                     flush=True,
                 )
     except httpx.TransportError as exc:  # a refused or cut connection: say whether the server is gone
-        code = server.process.poll()
+        try:  # a dying process closes its sockets before it can be reaped: give it a moment
+            code = server.process.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            code = None  # still running
         said = f"coreply serve exited ({code})" if code is not None else f"POST /respond failed ({exc!r})"
         said += f" after {len(rows)} of {len(args.n_r) * len(args.concurrency)} cells"
         raise SystemExit(f"bench: {said}; {args.out} not written") from None
