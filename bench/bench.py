@@ -46,6 +46,7 @@ from evaluation.metrics import paired_bootstrap
 
 if TYPE_CHECKING:
     from coreply.bundle import Bundle
+    from coreply.inference import OnnxBackend
     from coreply.responder import Responder
 
 
@@ -175,6 +176,32 @@ def open_bundle(path: str) -> Bundle:
         return load_bundle(path)
     except (OSError, ValueError) as exc:  # a BundleError too
         raise SystemExit(f"--bundle: {exc}") from None
+
+
+def onnx_rerank_requests(
+    path: str, threads: int, n_r: int, count: int
+) -> tuple[Bundle, OnnxBackend, list[tuple[list[list[str]], list[str]]]]:
+    """The bundle at ``path`` on its ONNX graphs (``threads`` as served) and what its rerank stage gets
+    for the first ``count`` chitchat test contexts: per request the context once per candidate and the
+    ``n_r`` recalled candidates' texts. A one-line exit naming ``--bundle`` unless it loads and has a
+    reranker exported to ONNX."""
+    from coreply.bundle import IndexRetriever, make_backend
+    from coreply.corpus import load_chitchat
+    from coreply.inference import OnnxBackend
+
+    bundle = open_bundle(path)
+    try:
+        backend = make_backend(bundle, "onnx", threads=threads)
+    except ValueError as exc:  # a BundleError: no ONNX export
+        raise SystemExit(f"--bundle: {exc}") from None
+    if not isinstance(backend, OnnxBackend) or backend.cross is None or backend.cross_tokenizer is None:
+        raise SystemExit(f"--bundle {path}: needs a reranker exported to ONNX")
+    contexts = [list(pair.context) for pair in load_chitchat()["test"][:count]]
+    requests = []
+    for context, row in zip(contexts, IndexRetriever(backend, bundle.index)(contexts, n_r).ids, strict=True):
+        texts = [bundle.texts[i] for i in row if i >= 0]
+        requests.append(([context] * len(texts), texts))
+    return bundle, backend, requests
 
 
 def onnx_reranker(bundle: str) -> Responder:

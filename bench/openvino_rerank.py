@@ -24,10 +24,9 @@ import numpy as np
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench import open_bundle  # bench/bench.py: this script's directory is on sys.path
-from coreply.bundle import IndexRetriever, make_backend
-from coreply.corpus import load_chitchat
-from coreply.inference import ONNX_FILES, OnnxBackend, export_reranker
+from bench import onnx_rerank_requests  # bench/bench.py: this script's directory is on sys.path
+from coreply.bundle import make_backend
+from coreply.inference import ONNX_FILES, export_reranker
 from coreply.tokenization import Batch, DialogueTokenizer, score_by_tokens
 
 Scorer = Callable[[Sequence[Sequence[str]], Sequence[str]], np.ndarray]
@@ -63,17 +62,8 @@ def main() -> None:
         import openvino as ov
     except ImportError:
         raise SystemExit("openvino is not installed: pip install openvino, then run this again") from None
-    bundle = open_bundle(args.bundle)
-    served = make_backend(bundle, "onnx", threads=args.threads)
-    if not isinstance(served, OnnxBackend) or served.cross is None or served.cross_tokenizer is None:
-        raise SystemExit(f"--bundle {args.bundle}: needs a reranker exported to ONNX")
+    bundle, served, requests = onnx_rerank_requests(args.bundle, args.threads, args.n_r, args.requests)
     tok = served.cross_tokenizer
-    contexts = [list(pair.context) for pair in load_chitchat()["test"][: args.requests]]
-    hits = IndexRetriever(served, bundle.index)(contexts, args.n_r)
-    requests = [
-        ([c] * len(row), [bundle.texts[i] for i in row if i >= 0])
-        for c, row in zip(contexts, hits.ids, strict=True)
-    ]
     tokens = np.mean([len(row) for c, r in requests for row, _ in tok.pair_rows(c, r)])
     print(
         f"{len(requests)} requests x {args.n_r} pairs, {tokens:.1f} tokens a pair; OpenVINO {ov.__version__}"

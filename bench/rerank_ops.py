@@ -20,10 +20,8 @@ import numpy as np
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench import open_bundle  # bench/bench.py: this script's directory is on sys.path
-from coreply.bundle import IndexRetriever, make_backend
-from coreply.corpus import load_chitchat
-from coreply.inference import ONNX_FILES, OnnxBackend, _session
+from bench import onnx_rerank_requests  # bench/bench.py: this script's directory is on sys.path
+from coreply.inference import ONNX_FILES, _session
 from coreply.tokenization import score_by_tokens
 
 
@@ -37,16 +35,7 @@ def main() -> None:
     args = p.parse_args()
     if min(args.n_r, args.requests, args.threads, args.rounds) < 1:
         raise SystemExit("--n-r, --requests, --threads and --rounds must be >= 1")
-    bundle = open_bundle(args.bundle)
-    backend = make_backend(bundle, "onnx", threads=args.threads)
-    if not isinstance(backend, OnnxBackend) or backend.cross is None or backend.cross_tokenizer is None:
-        raise SystemExit(f"--bundle {args.bundle}: needs a reranker exported to ONNX")
-    contexts = [list(pair.context) for pair in load_chitchat()["test"][: args.requests]]
-    hits = IndexRetriever(backend, bundle.index)(contexts, args.n_r)
-    requests = [
-        ([c] * len(row), [bundle.texts[i] for i in row if i >= 0])
-        for c, row in zip(contexts, hits.ids, strict=True)
-    ]
+    bundle, backend, requests = onnx_rerank_requests(args.bundle, args.threads, args.n_r, args.requests)
     lengths = [len(row) for c, r in requests for row, _ in backend.cross_tokenizer.pair_rows(c, r)]
     print(f"{len(requests)} requests x {args.n_r} pairs, {np.mean(lengths):.1f} tokens a pair")
 

@@ -151,6 +151,9 @@ def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):
     retrieval_only = tmp_path / "retrieval-only"  # the tiny bundle as if built without a reranker
     shutil.copytree(tiny_bundle, retrieval_only)
     reseal(retrieval_only, SEALING, lambda manifest: manifest["models"].update(cross=None))
+    torch_only = tmp_path / "torch-only"  # the tiny bundle as if built with --onnx none
+    shutil.copytree(tiny_bundle, torch_only)
+    reseal(torch_only, SEALING, lambda manifest: manifest.update(onnx=None))
     cases = (
         ("bench.py", ["--bundle", str(tmp_path), "--out", str(other)], "--bundle: "),
         ("bench.py", ["--bundle", str(retrieval_only), "--out", str(other)], "--fusion rerank: "),
@@ -162,6 +165,8 @@ def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):
         ("serve_profile.py", ["--bundle", str(tmp_path)], "--bundle: "),
         ("serve_profile.py", ["--bundle", str(tiny_bundle), "--device", "gpu"], "--device: "),
         ("rerank_ops.py", ["--bundle", str(tiny_bundle), "--n-r", "0"], "--n-r"),
+        ("rerank_ops.py", ["--bundle", str(torch_only)], "--bundle: "),
+        ("rerank_ops.py", ["--bundle", str(retrieval_only)], f"--bundle {retrieval_only}: needs a reranker"),
         ("quantisation.py", ["--bi", str(tiny_core / "bi"), "--limit", "20", "--pool", "5"], "--pool: "),
         ("restatement_guard.py", ["--bundle", str(tiny_bundle), "--against", str(other)], "--against "),
         (
@@ -466,6 +471,9 @@ def test_as_served_answers_as_the_gated_offline_ranking_and_pairs_bundles(tmp_pa
     retrieval_only = tmp_path / "retrieval-only"
     shutil.copytree(tiny_bundle, retrieval_only)
     reseal(retrieval_only, SEALING, lambda manifest: manifest["models"].update(cross=None))
+    torch_only = tmp_path / "torch-only"  # the tiny bundle as if built with --onnx none
+    shutil.copytree(tiny_bundle, torch_only)
+    reseal(torch_only, SEALING, lambda manifest: manifest.update(onnx=None))
     out = tmp_path / "served.json"
     bench("as_served.py", "--bundles", str(tiny_bundle), str(retrieval_only), "--measure", "test:0:40",
           "valid:2000:30", "--threads", "1", "--out", str(out))  # fmt: skip
