@@ -9,22 +9,9 @@ set -euo pipefail
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 D=docs/cpu-bf16-2026-12-07 W=${WORK:-/tmp/oc}
 PY=.venv/bin/python COREPLY=.venv/bin/coreply
-mkdir -p "$W"
 
-# §68's pairs: 600 to measure on, 138 to validate, 440 to train
-$PY bench/other_corpus.py --out "$W"
-$PY - "$W" <<'PY'
-import json, sys
-w = sys.argv[1]
-lines = open(f"{w}/pairs.jsonl").read().splitlines()
-conv = [json.loads(line)["conversation_id"] for line in lines]
-choose = set(sorted(set(conv))[::2])
-valid = set(sorted(choose)[::4])
-parts = {"measure": lambda c: c not in choose, "valid": lambda c: c in valid,
-         "train": lambda c: c in choose and c not in valid}
-for name, keep in parts.items():
-    open(f"{w}/{name}.jsonl", "w").writelines(line + "\n" for line, c in zip(lines, conv) if keep(c))
-PY
+# §68's pairs and pool (§67): 600 pairs to measure on, 138 to validate, 440 to train
+bash docs/owndata-2026-12-07/pairs.sh "$W"
 
 # §68's CORE run, once in fp32 and once under bf16 autocast
 for precision in fp32 bf16; do

@@ -9,21 +9,8 @@ D=docs/owndata-2026-12-07 W=${WORK:-/tmp/oc}
 PY=.venv/bin/python COREPLY=.venv/bin/coreply
 mkdir -p "$W/eval" "$W/bundles"
 
-# The pairs and the pool (§67), the conversations split alternately as §67 split them: 600 pairs to measure
-# on; of the other 578, every fourth conversation validates (138 pairs) and the rest train (440)
-$PY bench/other_corpus.py --out "$W"
-$PY - "$W" <<'PY'
-import json, sys
-w = sys.argv[1]
-lines = open(f"{w}/pairs.jsonl").read().splitlines()
-conv = [json.loads(line)["conversation_id"] for line in lines]
-choose = set(sorted(set(conv))[::2])
-valid = set(sorted(choose)[::4])
-parts = {"measure": lambda c: c not in choose, "valid": lambda c: c in valid,
-         "train": lambda c: c in choose and c not in valid}
-for name, keep in parts.items():
-    open(f"{w}/{name}.jsonl", "w").writelines(line + "\n" for line, c in zip(lines, conv) if keep(c))
-PY
+# §68's pairs and pool (§67): 600 pairs to measure on, 138 to validate, 440 to train
+bash docs/owndata-2026-12-07/pairs.sh "$W"
 
 # Two runs from the built-in pair, one recipe: the README's adapters, the paper's lists (1 gold + 31),
 # two epochs (110 steps of 8 contexts), a validation every half epoch, each model's best kept
