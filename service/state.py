@@ -33,7 +33,7 @@ from service.errors import Unauthorized
 from service.keys import Admission, ApiKey, KeyRing, scope_masks
 from service.metrics import Metrics
 from service.settings import Settings
-from service.tls import Certificate
+from service.tls import Certificate, expiry_warning
 
 LOG = logging.getLogger("coreply.service")
 GOLDEN = ["hello! how are you?"]  # the warm-up request; a bundle must answer it before it serves
@@ -142,6 +142,7 @@ class ServiceState:
         tls = None if self.tls is None else self.tls.describe()
         fields |= {"tls": tls, "api_keys": sorted({k.name for k in self.keys.keys})}  # names, never keys
         LOG.info("serving", extra={"fields": fields})
+        _warn_expiry(self.tls)
 
     async def stop(self) -> None:
         self.ready = False
@@ -183,6 +184,7 @@ class ServiceState:
                 self.tls.use(renewal)
                 self.metrics.tls_expiry.set(renewal.not_after)
                 LOG.info("reloaded the TLS certificate", extra={"fields": self.tls.describe()})
+            _warn_expiry(self.tls)  # renewed or not: a SIGHUP that loads no renewal is told so
             if rekeyed:
                 self._swap_keys(keys)
                 if same:
@@ -219,6 +221,12 @@ class ServiceState:
         """The request's deadline (``time.perf_counter()``) from its header or the default; None = none."""
         budget_ms = timeout_ms or self.settings.request_timeout_ms
         return time.perf_counter() + budget_ms / 1000 if budget_ms else None
+
+
+def _warn_expiry(tls: Certificate | None) -> None:
+    """A warning in the log when the certificate served has expired or soon will (the alert may be unset)."""
+    if tls is not None and (message := expiry_warning(tls.not_after, time.time())):
+        LOG.warning(message, extra={"fields": tls.describe()})
 
 
 def _log_scopes(engine: Engine) -> None:

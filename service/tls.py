@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 _PEM = re.compile(rb"-----BEGIN CERTIFICATE-----(.+?)-----END CERTIFICATE-----", re.DOTALL)
+RENEW_WITHIN_DAYS = 14  # alert CoreplyCertificateExpiring's threshold (docker/prometheus/alerts.yml)
 
 
 def read_context(cert: Path, key: Path | None) -> ssl.SSLContext:
@@ -60,6 +61,20 @@ def not_after(pem: bytes) -> float:
     except (IndexError, ValueError, UnicodeDecodeError, binascii.Error):
         raise ValueError("no X.509 certificate with a validity period in it") from None
     return when.replace(tzinfo=timezone.utc).timestamp()
+
+
+def expiry_warning(not_after: float, now: float) -> str | None:
+    """What the log warns of a certificate served until ``not_after`` (Unix time) at ``now``: that it has
+    expired, or expires within RENEW_WITHIN_DAYS; None when it does neither."""
+    days = (not_after - now) / 86400
+    if days <= 0:
+        return "the TLS certificate served has expired, so clients refuse it: renew its files and send SIGHUP"
+    if days < RENEW_WITHIN_DAYS:
+        return (
+            f"the TLS certificate served expires in {days:.1f} days (renewal tools renew a month ahead): "
+            "renew its files and send SIGHUP"
+        )
+    return None
 
 
 def _tlv(der: bytes, at: int) -> tuple[int, int, int]:

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from service.app import create_app
 from service.settings import Settings
-from service.tls import Certificate, not_after, read_context
+from service.tls import Certificate, expiry_warning, not_after, read_context
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +83,23 @@ def test_a_file_without_a_readable_certificate_has_no_expiry(certs):
     for wrong in (b"", b"not pem\n", (certs / "a.key").read_bytes(), truncated):
         with pytest.raises(ValueError, match=r"no X\.509 certificate with a validity period in it"):
             not_after(wrong)
+
+
+@pytest.mark.parametrize(
+    ("days_left", "says"),
+    [
+        (-3, "has expired"),
+        (0, "has expired"),
+        (0.5, "expires in 0.5 days"),
+        (13.96, "expires in 14.0 days"),
+        (14, None),
+        (90, None),
+    ],
+)
+def test_a_certificate_expired_or_within_the_alerts_14_days_is_warned_of(days_left, says):
+    now = 1_800_000_000.0
+    warning = expiry_warning(now + days_left * 86400, now)
+    assert warning is None if says is None else says in warning and "SIGHUP" in warning
 
 
 def test_a_renewal_reads_the_files_again_and_keeps_the_served_one_when_they_are_wrong(certs, tmp_path):
@@ -166,5 +183,21 @@ def test_a_reload_that_fails_uses_no_renewed_certificate(tiny_bundle, certs, tmp
     assert datetime.fromisoformat(started["not_after"]).timestamp() == openssl_not_after(certs / "a.crt")
     assert datetime.fromisoformat(renewed["not_after"]).timestamp() == openssl_not_after(certs / "b.crt")
     assert started["cert"] == renewed["cert"] == str(cert)
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING and "TLS" in r.getMessage()]
+    assert len(warned) == 1  # at start, for "a" (2 days left); not for the refused reload, nor for "b"
+    assert warned[0].getMessage().startswith("the TLS certificate served expires in 2.0 days")
+    assert warned[0].fields == started
     for result, n in (("ok", 1), ("unchanged", 1), ("failed", 1)):
         assert f'coreply_reloads_total{{result="{result}"}} {n}.0' in metrics
+
+
+def test_a_reload_that_keeps_an_expiring_certificate_warns_again(tiny_bundle, certs, caplog):
+    """A SIGHUP that finds no renewal says so again: the operator learns the renewal did not happen."""
+    app = create_app(
+        Settings(bundle=tiny_bundle, threads=1, tls_cert_file=certs / "a.crt", tls_key_file=certs / "a.key")
+    )
+    caplog.set_level(logging.INFO, logger="coreply.service")
+    with TestClient(app) as c:
+        assert c.portal.call(app.reload) is True
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 2 and all(m.startswith("the TLS certificate served expires in") for m in warned)
