@@ -22,6 +22,7 @@ from coreply import gate
 from coreply.bundle import Bundle, default_fusion, load_bundle, make_backend, pipeline, search_on
 from coreply.filters import Filter
 from coreply.ranking import FUSIONS, Candidates, Query, order
+from coreply.text import variant_key
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class Responder:
         knowledge: Sequence[str] | None = None,
         allow_restatements: bool = False,
         filter: Filter | None = None,
+        allow_variants: bool = False,
     ) -> list[Reply]:
         """The best ``top_k`` of ``n_candidates`` recalled for ``context`` (oldest utterance first), never
         a copy of a context turn nor an excluded response, nor (with the bundle's restatement guard,
@@ -70,7 +72,9 @@ class Responder:
         reranking only the candidates within the bundle's reach (:func:`~coreply.gate.gated`); a named
         fusion always reranks all of them. ``knowledge`` (a persona, facts) grounds a reranker that reads
         it; default: the bundle's own. ``filter`` answers only with responses whose metadata matches it
-        (:mod:`coreply.filters`; a field no response has raises :class:`~coreply.filters.FilterError`)."""
+        (:mod:`coreply.filters`; a field no response has raises :class:`~coreply.filters.FilterError`).
+        The replies are distinct answers, none a spelling variant of a better one, unless
+        ``allow_variants`` (:func:`replies`)."""
         gated = fusion is None
         fusion = fusion or self.default_fusion
         if fusion not in FUSIONS:
@@ -98,22 +102,43 @@ class Responder:
         if fusion != "retrieval" and len(candidates.ids):
             self.pipeline.rerank(self.pipeline.ground([query]), [candidates], reranked)
         positions, final = order(candidates, fusion, n_candidates, self.pipeline.weight, reranked)
-        return replies(self.bundle, candidates, positions[:top_k], final)
+        return replies(self.bundle, candidates, positions, final, top_k, allow_variants)
 
 
-def replies(bundle: Bundle, candidates: Candidates, positions: np.ndarray, final: np.ndarray) -> list[Reply]:
-    """The candidates at ``positions`` (best first, as :func:`~coreply.ranking.order` gives them, with
-    their ``final`` scores) as replies."""
+def replies(
+    bundle: Bundle,
+    candidates: Candidates,
+    positions: np.ndarray,
+    final: np.ndarray,
+    top_k: int,
+    allow_variants: bool = False,
+) -> list[Reply]:
+    """The first ``top_k`` candidates at ``positions`` (best first, as :func:`~coreply.ranking.order`
+    gives them, with their ``final`` scores) as replies; unless ``allow_variants``, a candidate that is a
+    spelling variant of a better one (:func:`~coreply.text.variant_key`: "heyy" after "Hey!") is passed
+    over and the next takes its place, so fewer than ``top_k`` come back only when the candidates hold
+    fewer distinct answers. The first reply is the same either way. A candidate past a rerank reach (which
+    reads at least ``top_k``) has no rerank score, and its first-stage score as its score."""
     rerank, lexical = candidates.rerank, candidates.lexical
-    return [
-        Reply(
-            id=int(candidates.ids[j]),
-            text=bundle.texts[candidates.ids[j]],
-            score=float(score),
-            retrieval_score=float(candidates.retrieval[j]),
-            rerank_score=None if rerank is None else float(rerank[j]),
-            lexical_score=None if lexical is None else float(lexical[j]),
-            metadata=bundle.metadata[candidates.ids[j]],
+    out: list[Reply] = []
+    seen: set[str] = set()
+    for j, score in zip(positions, final, strict=True):
+        if len(out) == top_k:
+            break
+        i = int(candidates.ids[j])
+        key = variant_key(bundle.texts[i])
+        if key in seen and not allow_variants:
+            continue
+        seen.add(key)
+        out.append(
+            Reply(
+                id=i,
+                text=bundle.texts[i],
+                score=float(score),
+                retrieval_score=float(candidates.retrieval[j]),
+                rerank_score=None if rerank is None or j >= len(rerank) else float(rerank[j]),
+                lexical_score=None if lexical is None else float(lexical[j]),
+                metadata=bundle.metadata[i],
+            )
         )
-        for j, score in zip(positions, final, strict=False)
-    ]
+    return out

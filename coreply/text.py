@@ -1,5 +1,6 @@
-"""Text normalisation shared by the pool de-duplication, hit matching and the echo filter, and the word
-overlap the restatement guard and the knowledge-grounded learner measure."""
+"""Text normalisation shared by the pool de-duplication, hit matching and the echo filter, the key that
+tells an answer's spelling variants apart from other answers, and the word overlap the restatement guard
+and the knowledge-grounded learner measure."""
 
 from __future__ import annotations
 
@@ -8,11 +9,20 @@ from collections import Counter
 
 _WS = re.compile(r"\s+")
 _WORD = re.compile(r"[a-z0-9']+")
+_HELD = re.compile(r"([^\W\d_])\1+")  # a letter held: the "yyy" of "heyyy"
 
 
 def normalize(text: str) -> str:
     """Lowercase and collapse whitespace: two responses are 'the same' iff this is equal."""
     return _WS.sub(" ", text).strip().lower()
+
+
+def variant_key(text: str) -> str:
+    """What the spelling variants of a reply share: its letters and digits in lower case, a letter held
+    ("heyyy") counted once. "Hey!", "heyy" and "HEY" share "hey"; "What's up?" and "whats up" share
+    "whatsup"; "10" and "110" do not. A text with neither letters nor digits (":)") is its own
+    :func:`normalize`."""
+    return _HELD.sub(r"\1", "".join(c for c in text.casefold() if c.isalnum())) or normalize(text)
 
 
 def words(text: str) -> list[str]:

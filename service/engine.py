@@ -36,6 +36,7 @@ class Job:
     min_retrieval_score: float | None = None  # responses below it are dropped; none left: the fallback
     gated: bool = False  # the bundle's rerank gate and reach apply (no fusion named): a confident first
     # stage answers, else the reranker reads the candidates within the reach
+    allow_variants: bool = False  # answers may be spelling variants of a better one ("heyy" after "Hey!")
 
 
 class Engine:
@@ -178,7 +179,7 @@ class Engine:
         positions, final = order(candidates, fusion, n_candidates, self.pipeline.weight, reranked)
         responses = [
             asdict(r) | {"metadata": r.metadata or None}
-            for r in replies(self.bundle, candidates, positions[: job.top_k], final)
+            for r in replies(self.bundle, candidates, positions, final, job.top_k, job.allow_variants)
         ]
         if responses:
             self.metrics.answer_score.observe(responses[0]["retrieval_score"])

@@ -116,6 +116,15 @@ def respond_request_model(settings: Settings) -> type[RespondBase]:
                 "bundle with a restatement guard drops them (GET /readyz shows its threshold)",
             ),
         ),
+        allow_variants=(
+            StrictBool,
+            Field(
+                False,
+                description='also answer with spelling variants of a better answer ("heyy" after "Hey!": '
+                "the same letters and digits but for case, punctuation, spacing and held letters); by "
+                "default each is passed over and the next candidate takes its place",
+            ),
+        ),
         exclude=(
             list[excluded],
             Field(

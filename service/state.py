@@ -69,7 +69,7 @@ def make_job(body: Any, engine: Engine, deadline: float | None = None, key: ApiK
     )
     fusion = body.fusion or engine.default_fusion
     gated = body.fusion is None and engine.settings.rerank_gate
-    return Job(query, body.top_k, n, fusion, deadline, body.min_retrieval_score, gated)
+    return Job(query, body.top_k, n, fusion, deadline, body.min_retrieval_score, gated, body.allow_variants)
 
 
 class ServiceState:

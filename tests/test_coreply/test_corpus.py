@@ -1,5 +1,7 @@
+import pytest
+
 from coreply.corpus import build_pool, chitchat_turns, load_chitchat, pairs_from_turns, responses_of, split_of
-from coreply.text import normalize
+from coreply.text import normalize, variant_key
 
 
 def msg(sender: str, text: str) -> dict:
@@ -54,3 +56,21 @@ def test_chitchat_split_counts_match_the_specification():
 
 def test_pool_deduplicates_by_normalised_text_and_keeps_first_spelling_in_order():
     assert build_pool(["Hi  there", "hi there", "Yes", "", "  ", "yes", "No"]) == ["Hi  there", "Yes", "No"]
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "same"),
+    [
+        ("Hey!", "heyyy", True),
+        ("HEY", "hey .", True),
+        ("What's up?", "whats up", True),
+        ("Nice", "niceee!!", True),
+        ("10", "110", False),  # digits are not held letters
+        ("what up", "whats up", False),
+        (":)", ":(", False),  # no letters: the texts themselves
+        (":)", " :) ", True),
+        ("Café!", "CAFÉ", True),
+    ],
+)
+def test_spelling_variants_share_a_key_and_other_answers_do_not(a, b, same):
+    assert (variant_key(a) == variant_key(b)) is same

@@ -319,6 +319,9 @@ def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):
         ("paraphrase_negatives.py", ["--bi", str(tmp_path / "no")], f"paraphrase_negatives.py: {tmp_path}"),
         ("quantisation.py", ["--limit", "0"], "--limit: "),
         ("train_speed.py", ["--out", str(tmp_path / "no/x.json")], "--out: "),
+        ("variants.py", ["--bundle", str(tmp_path)], "--bundle: "),
+        ("variants.py", ["--max-turns", "0"], "--max-turns: "),
+        ("variants.py", ["--top-k", "5", "--n-candidates", "4"], "--n-candidates: "),
     )
 
     # each case in a fork of one process that imported torch once (tests/forked_scripts.py): as its own
@@ -880,3 +883,17 @@ def test_typed_user_turns_miss_the_pool_and_are_answered_alike(monkeypatch, guar
         after = bot.respond(typed, 10)
         assert set(encoded) >= {typed[-1]} and not set(encoded) & set(held)  # the user's, and only theirs
         assert [(r.id, r.score) for r in after] == [(r.id, r.score) for r in before]
+
+
+def test_variants_counts_the_answers_passed_over(tmp_path, variants_bundle):
+    """Every candidate of the variants pool asked for: each list holds its four variants (two of "hello",
+    two of the pizza answer), all replaced, and nothing is left to replace them."""
+    out = tmp_path / "variants.json"
+    n = str(len(load_bundle(variants_bundle).texts))
+    bench("variants.py", "--bundle", str(variants_bundle), "--limit", "3", "--max-turns", "1",
+          "--top-k", n, "--n-candidates", n, "--out", str(out))  # fmt: skip
+    result = json.loads(out.read_text())
+    assert (result["contexts"], result["max_turns"], result["lists_with_variants_pct"]) == (3, 1, 100.0)
+    assert result["variants_replaced"] == 4 * 3 and result["lists_left_short"] == 3
+    (first, *_) = result["examples"]
+    assert len(first["context"]) == 1 and len(first["served"]) == len(first["allowed"]) - 4

@@ -212,6 +212,37 @@ def test_the_service_guards_against_restatements_like_the_library_unless_a_reque
         assert 'coreply_stage_duration_seconds_count{stage="filter"} 2.0' in metrics  # not the warm-up
 
 
+def test_answers_are_distinct_unless_a_request_allows_spelling_variants(variants_bundle):
+    """Over a pool holding variants of two answers, every candidate asked for: by default each variant
+    after its best-ranked form is passed over (the service as the library), with it they all come back in
+    the order the variants are passed over in; a smaller ``top_k`` is filled from further down, past a
+    rerank reach too (the candidate there has no rerank score)."""
+    from coreply.text import variant_key
+
+    bot = Responder.load(variants_bundle, backend="torch")
+    n = len(bot.bundle.texts)
+    with TestClient(create_app(Settings(bundle=variants_bundle, threads=1, backend="torch"))) as c:
+        for context in (["hello", TOPICS["food"][0]], ["ok then"]):
+            texts = {}
+            for allow in (True, False):
+                got = post(c, context=context, top_k=n, n_candidates=n, allow_variants=allow).json()
+                want = bot.respond(context, n, n, allow_variants=allow)
+                texts[allow] = [r["text"] for r in got["responses"]]
+                assert texts[allow] == [r.text for r in want]
+            keys = [variant_key(t) for t in texts[True]]
+            assert texts[False] == [t for i, t in enumerate(texts[True]) if variant_key(t) not in keys[:i]]
+            assert len(texts[False]) == len(set(keys)) < len(texts[True])  # variants were there, and dropped
+            top3 = [r["text"] for r in post(c, context=context, top_k=3, n_candidates=n).json()["responses"]]
+            assert top3 == texts[False][:3]
+        for responder_or_engine in (bot, c.app.state.engine):  # a reach: the reranker reads top_k candidates
+            responder_or_engine.pipeline.gate, responder_or_engine.pipeline.reach = None, 0.0
+        got = post(c, context=["hi"], top_k=2, n_candidates=n).json()
+        assert [r["text"] for r in got["responses"]] == [r.text for r in bot.respond(["hi"], 2, n)]
+        assert got["reranked"] == 2 and got["responses"][1]["rerank_score"] is None  # from past the reach
+        bad = post(c, context=["hello"], allow_variants="yes")
+        assert bad.status_code == 422 and "allow_variants" in bad.text
+
+
 def test_the_service_serves_a_lexical_stage_like_the_library_and_reports_it(lexical_bundle):
     from coreply.responder import Responder
 
