@@ -13,6 +13,12 @@ last turn's words (F1 of their sets of distinct words, :class:`WordSets`, at :da
 the human replies', whatever the cosine quantile: "i just got a new puppy!" -> "Yep a new puppy!"); the
 manifest records the share of human replies that any of the three drops.
 
+A conversation's short first turn (an *opener*, :func:`is_opener`: "hello", "hey there!") is answered in
+kind: people greet back ("Hello" -> "Hi", "Hey!" -> "Hi! Hi! Hi!"), and thresholds calibrated on all
+replies drop about half of the replies people gave to openers (docs/results.md §72). An opener's last
+turn and words thresholds are therefore calibrated on the held-out openers alone, where there are at
+least :data:`MIN_OPENERS` of them.
+
 Calibration runs where a bundle is built and where ``coreply eval`` evaluates, from one function, so the
 guard that serves is the guard that was measured.
 """
@@ -35,6 +41,10 @@ WORDS_QUANTILE = 0.995
 the restatements that share the last turn's words for no measurable hits@1)."""
 MAX_PAIRS = 5000
 """Held-out pairs the thresholds are calibrated on, at most."""
+OPENER_WORDS = 3
+"""A context of one turn of at most this many words is an opener (:func:`is_opener`)."""
+MIN_OPENERS = 50
+"""Held-out openers needed to calibrate thresholds of their own (fewer: openers are guarded as the rest)."""
 TURNS = 5
 """Context turns (the last ones) a candidate must not restate; the built-in corpus's contexts hold 5."""
 MARGIN = 5
@@ -48,28 +58,46 @@ EncodeResponses = Callable[[Sequence[str]], np.ndarray]
 """texts [N] -> response vectors [N, D] (the retriever's response tower)."""
 
 
+def is_opener(context: Sequence[str]) -> bool:
+    """Whether ``context`` is a conversation's first turn of at most :data:`OPENER_WORDS` words."""
+    return len(context) == 1 and len(words(context[0])) <= OPENER_WORDS
+
+
 @dataclass(frozen=True)
 class Guard:
     """A candidate restates its context when its cosine is at least ``last`` with the last turn or at
     least ``earlier`` with one of the turns before it, or when its distinct words overlap the last
     turn's with an F1 (:meth:`WordSets.overlap`) of at least ``words`` (infinite: not checked, as in
-    bundles built before the words threshold)."""
+    bundles built before the words threshold). An opener's context is held to ``opener`` instead, its
+    (last, words) thresholds, where the guard has them (bundles built before them do not)."""
 
     last: float
     earlier: float
     words: float = float("inf")
+    opener: tuple[float, float] | None = None
 
     @classmethod
     def of(cls, entry: dict[str, Any]) -> Guard:
         """From a manifest entry written by :func:`calibrate`."""
         words = float(entry.get("words_last_turn", "inf"))
-        return cls(float(entry["last_turn"]), float(entry["earlier_turns"]), words)
+        opener = entry.get("openers")
+        if opener is not None:
+            opener = (float(opener["last_turn"]), float(opener["words_last_turn"]))
+        return cls(float(entry["last_turn"]), float(entry["earlier_turns"]), words, opener)
 
-    def flags(self, last: np.ndarray, earlier: np.ndarray, overlap: np.ndarray) -> np.ndarray:
-        """Where candidates of these :func:`closeness` and :meth:`WordSets.overlap` ([k] each) restate.
-        One that shares no word never does by words (when most human replies share none, the threshold
-        can be 0)."""
-        return (last >= self.last) | (earlier >= self.earlier) | ((overlap >= self.words) & (overlap > 0))
+    def flags(
+        self, last: np.ndarray, earlier: np.ndarray, overlap: np.ndarray, opener: bool | np.ndarray = False
+    ) -> np.ndarray:
+        """Where candidates of these :func:`closeness` and :meth:`WordSets.overlap` ([k] each) restate;
+        ``opener``: of an opener's context (one bool, or [k]). One that shares no word never does by
+        words (when most human replies share none, the threshold can be 0)."""
+        last_at, words_at = self.last, self.words
+        if self.opener is not None:
+            last_at, words_at = (
+                np.where(opener, self.opener[0], last_at),
+                np.where(opener, self.opener[1], words_at),
+            )
+        return (last >= last_at) | (earlier >= self.earlier) | ((overlap >= words_at) & (overlap > 0))
 
 
 def closeness(
@@ -149,32 +177,53 @@ def human_closeness(
 
 
 def guard_entry(
-    last: np.ndarray, earlier: np.ndarray, overlap: np.ndarray, quantile: float
+    last: np.ndarray,
+    earlier: np.ndarray,
+    overlap: np.ndarray,
+    quantile: float,
+    openers: np.ndarray | None = None,
 ) -> dict[str, Any]:
     """The guard's manifest entry from :func:`human_closeness`: the ``quantile`` of each closeness and
-    the :data:`WORDS_QUANTILE` of the word overlap, and the share of those replies that any drops."""
+    the :data:`WORDS_QUANTILE` of the word overlap, and the share of those replies that any drops. With
+    ``openers`` ([N] bool: which pairs' contexts are openers) and at least :data:`MIN_OPENERS` of them,
+    also the openers' own last-turn and words thresholds, at the same quantiles of their replies alone,
+    and the share of their replies that the other thresholds would have dropped."""
     check_quantile(quantile)
     guard = Guard(
         float(np.quantile(last, quantile)),
         float(np.quantile(earlier, quantile)),
         float(np.quantile(overlap, WORDS_QUANTILE)),
     )
-    dropped = guard.flags(last, earlier, overlap)
-    return {
+    entry: dict[str, Any] = {
         "last_turn": round(guard.last, 4),
         "earlier_turns": round(guard.earlier, 4),
         "words_last_turn": round(guard.words, 4),
         "quantile": quantile,
         "words_quantile": WORDS_QUANTILE,
-        "human_replies_dropped": round(float(np.mean(dropped)), 4),
-        "calibrated_on": f"{len(last)} held-out pairs",
     }
+    mine = np.zeros(len(last), dtype=bool) if openers is None else openers
+    if mine.sum() >= MIN_OPENERS:
+        own = (float(np.quantile(last[mine], quantile)), float(np.quantile(overlap[mine], WORDS_QUANTILE)))
+        entry["openers"] = {
+            "last_turn": round(own[0], 4),
+            "words_last_turn": round(own[1], 4),
+            "pairs": int(mine.sum()),
+            "dropped_by_the_others": round(float(np.mean(guard.flags(last, earlier, overlap)[mine])), 4),
+        }
+        guard = Guard.of(entry)
+    dropped = guard.flags(last, earlier, overlap, mine)
+    entry["human_replies_dropped"] = round(float(np.mean(dropped)), 4)
+    entry["calibrated_on"] = f"{len(last)} held-out pairs"
+    return entry
 
 
 def calibrate(encode_responses: EncodeResponses, pairs: Sequence[Any], quantile: float) -> dict[str, Any]:
-    """The guard's manifest entry at ``quantile``, calibrated on held-out ``pairs``."""
+    """The guard's manifest entry at ``quantile``, calibrated on held-out ``pairs`` (openers' own
+    thresholds among them)."""
     check_quantile(quantile)  # before the encoding
-    return guard_entry(*human_closeness(encode_responses, pairs), quantile)
+    pairs = list(pairs)[:MAX_PAIRS]
+    openers = np.array([is_opener(p.context) for p in pairs], dtype=bool)
+    return guard_entry(*human_closeness(encode_responses, pairs), quantile, openers)
 
 
 def restating(
@@ -196,6 +245,8 @@ def restating(
     near = closeness(turn_vectors, contexts, candidates)
     words_of = word_sets() if guard.words != float("inf") else None  # older bundles' guards count none
     return [
-        guard.flags(last, earlier, np.zeros(len(i)) if words_of is None else words_of.overlap(c[-1], i))
+        guard.flags(
+            last, earlier, np.zeros(len(i)) if words_of is None else words_of.overlap(c[-1], i), is_opener(c)
+        )
         for (last, earlier), c, i in zip(near, contexts, ids, strict=True)
     ]

@@ -61,6 +61,7 @@ def test_calibration_takes_quantiles_of_human_replies_per_position_and_refuses_n
     assert guard["human_replies_dropped"] == 1.0  # each threshold takes half: the closest and the farthest
     assert guard["quantile"] == 0.5 and guard["calibrated_on"] == "4 held-out pairs"
     assert guard["words_last_turn"] == 0.0  # no reply shares a word with "question": none is dropped for it
+    assert "openers" not in guard  # no context is an opener: none has thresholds of its own
     assert restatement.Guard.of(guard) == restatement.Guard(guard["last_turn"], guard["earlier_turns"], 0.0)
     del guard["words_last_turn"]  # a bundle built before the words threshold: its guard does not count words
     assert restatement.Guard.of(guard).words == float("inf")
@@ -68,6 +69,39 @@ def test_calibration_takes_quantiles_of_human_replies_per_position_and_refuses_n
         restatement.calibrate(ToyRetriever().encode_responses, pairs, 1.0)
     with pytest.raises(ValueError, match="held-out pairs"):
         restatement.calibrate(ToyRetriever().encode_responses, [], 0.9)
+
+
+def test_openers_get_thresholds_of_their_own_from_the_replies_people_gave_to_openers(monkeypatch):
+    # people answer an opener close to it ("ask" at 5 degrees, "reply one" at 60) and a later turn far
+    # from it (80 and 90 degrees)
+    later = [Pair(("filler 0", "question"), r, str(i)) for i, r in enumerate(["reply three", "reply four"])]
+    openers = [Pair(("question",), r, str(i)) for i, r in enumerate(["ask", "reply one"])]
+    cos = lambda degrees: float(np.cos(np.radians(degrees)))  # noqa: E731
+    monkeypatch.setattr(restatement, "MIN_OPENERS", 3)
+    assert "openers" not in restatement.calibrate(ToyRetriever().encode_responses, later + openers, 0.5)
+    monkeypatch.setattr(restatement, "MIN_OPENERS", 2)
+    entry = restatement.calibrate(ToyRetriever().encode_responses, later + openers, 0.5)
+    assert entry["last_turn"] == pytest.approx((cos(60) + cos(80)) / 2, abs=1e-4)  # all four replies
+    own = entry["openers"]
+    assert own["last_turn"] == pytest.approx((cos(5) + cos(60)) / 2, abs=1e-4)  # the openers' two alone
+    assert own["pairs"] == 2 and own["dropped_by_the_others"] == 1.0  # both are over the common threshold
+    guard = restatement.Guard.of(entry)
+    assert guard.opener == (own["last_turn"], own["words_last_turn"])
+    # 3 of 4 dropped: the later two by their earlier turn (the openers have none: -1 halves that median)
+    # and of the openers "ask" alone, "reply one" (cos 60) being under the openers' own threshold
+    assert entry["human_replies_dropped"] == 0.75
+    contexts = (["hi"], ["hi there you"], ["hi there you two"], ["a", "hi"])
+    assert [restatement.is_opener(c) for c in contexts] == [True, True, False, False]
+
+
+def test_an_openers_candidates_are_held_to_the_openers_thresholds():
+    retriever = ToyRetriever()
+    guard = restatement.Guard(last=0.4, earlier=COS25, opener=(COS25, float("inf")))
+    pipeline = Pipeline(retriever, POOL, [normalize(t) for t in POOL], guard=guard)
+    opener, later = Query(("question",)), Query(("filler 7", "question"))
+    got = pipeline.recall([opener, later], [3, 3])
+    assert got[0].ids.tolist() == [1, 2, 3]  # only "ask" (cos 5 degrees) over the opener's threshold
+    assert got[1].ids.tolist() == [2, 3, 4]  # "reply one" (cos 60 degrees: 0.5) too, over 0.4
 
 
 def test_text_vectors_encode_each_text_once():
