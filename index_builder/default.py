@@ -94,6 +94,7 @@ PINNED: dict[str, Any] = {
         # as pinned; docs/results.md §72)
         "openers": {"dropped_by_the_others": 0.4848, "last_turn": 0.957, "pairs": 66, "words_last_turn": 1.0},
         "quantile": 0.98,
+        "words_last_turn": 0.5,
         "words_quantile": 0.995,
     },
     "prior": {

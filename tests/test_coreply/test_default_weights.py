@@ -128,6 +128,10 @@ def test_the_default_is_built_with_the_choices_pinned_for_the_shipped_weights(tm
     assert default.shipped_hashes() == default.PINNED_FOR, "new weights: pin a calibrated build's choices"
     pins = default.PINNED
     assert set(pins) == {"source", *CALIBRATED}
+    ones = np.ones(2 * restatement.MIN_OPENERS)  # a calibration's entry, with openers: the keys pinned
+    entry = restatement.guard_entry(ones, ones, ones, default.GUARD_QUANTILE, ones.astype(bool))
+    assert set(pins["restatement"]) == set(entry)
+    assert set(pins["restatement"]["openers"]) == set(entry["openers"])
     assert (pins["restatement"]["quantile"], pins["restatement"]["words_quantile"]) == (
         default.GUARD_QUANTILE,
         restatement.WORDS_QUANTILE,
