@@ -320,6 +320,7 @@ def test_benches_refuse_bad_flags_in_one_line(tmp_path, tiny_bundle, tiny_core):
         ("quantisation.py", ["--limit", "0"], "--limit: "),
         ("train_speed.py", ["--out", str(tmp_path / "no/x.json")], "--out: "),
         ("variants.py", ["--bundle", str(tmp_path)], "--bundle: "),
+        ("openers.py", ["--bundle", str(tiny_bundle)], f"--bundle {tiny_bundle}: has no restatement guard"),
         ("variants.py", ["--max-turns", "0"], "--max-turns: "),
         ("variants.py", ["--top-k", "5", "--n-candidates", "4"], "--n-candidates: "),
     )
@@ -897,3 +898,16 @@ def test_variants_counts_the_answers_passed_over(tmp_path, variants_bundle):
     assert result["variants_replaced"] == 4 * 3 and result["lists_left_short"] == 3
     (first, *_) = result["examples"]
     assert len(first["context"]) == 1 and len(first["served"]) == len(first["allowed"]) - 4
+
+
+def test_openers_reports_the_guard_on_peoples_replies_by_kind_of_turn(tmp_path, guarded_bundle):
+    out = tmp_path / "openers.json"
+    bench("openers.py", "--bundle", str(guarded_bundle), "--out", str(out))
+    result = json.loads(out.read_text())
+    for split in ("valid[:5000] (calibration)", "test"):
+        rows = result["splits"][split]
+        assert set(rows) == {"openers", "first turns", "short turns later", "all"}
+        assert rows["all"]["pairs"] == 5000 and rows["openers"]["pairs"] < rows["first turns"]["pairs"]
+        for row in rows.values():
+            assert 0 <= row["dropped_%"] <= 100 and 0 <= row["dropped_without_opener_thresholds_%"] <= 100
+    assert set(result["answers"]) >= {"hello", "hi"} and all(result["answers"].values())
