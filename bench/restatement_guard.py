@@ -99,7 +99,9 @@ def sweep(args: argparse.Namespace) -> None:
     if ranking.guard is None:
         raise SystemExit(f"{args.bundle}: this bundle has no restatement guard (rebuild it)")
     splits = load_chitchat()
-    human = restatement.human_closeness(bot.backend.encode_responses, splits["valid"])
+    held_out = splits["valid"][: restatement.MAX_PAIRS]  # as a build calibrates: openers' own thresholds too
+    human = restatement.human_closeness(bot.backend.encode_responses, held_out)
+    openers = np.array([restatement.is_opener(p.context) for p in held_out])
     pairs = splits[args.split][args.start : args.start + args.limit]
     contexts = [p.context for p in pairs]
     gold = [normalize(p.response) for p in pairs]
@@ -113,7 +115,7 @@ def sweep(args: argparse.Namespace) -> None:
     }
     print("gold replies", result["gold"], flush=True)
     for q in args.quantiles:
-        entry = restatement.guard_entry(*human, q)
+        entry = restatement.guard_entry(*human, q, openers)
         ranking.guard = restatement.Guard.of(entry)
         ranked, top = top_answers(ranking, pairs)
         hits = np.array([r[:1] == [g] for r, g in zip(ranked, gold, strict=True)], dtype=float)

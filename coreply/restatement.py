@@ -15,9 +15,10 @@ manifest records the share of human replies that any of the three drops.
 
 A conversation's short first turn (an *opener*, :func:`is_opener`: "hello", "hey there!") is answered in
 kind: people greet back ("Hello" -> "Hi", "Hey!" -> "Hi! Hi! Hi!"), and thresholds calibrated on all
-replies drop about half of the replies people gave to openers (docs/results.md §72). An opener's last
-turn and words thresholds are therefore calibrated on the held-out openers alone, where there are at
-least :data:`MIN_OPENERS` of them.
+replies drop about half of the replies people gave to openers (docs/results.md §72). An opener's
+last-turn cosine threshold is therefore calibrated on the held-out openers alone, where there are at
+least :data:`MIN_OPENERS` of them; the words threshold stays (a greeting back shares no word: "hello" ->
+"Hi"; an answer that does is most often an echo: "Hello world" -> "world").
 
 Calibration runs where a bundle is built and where ``coreply eval`` evaluates, from one function, so the
 guard that serves is the guard that was measured.
@@ -68,21 +69,20 @@ class Guard:
     """A candidate restates its context when its cosine is at least ``last`` with the last turn or at
     least ``earlier`` with one of the turns before it, or when its distinct words overlap the last
     turn's with an F1 (:meth:`WordSets.overlap`) of at least ``words`` (infinite: not checked, as in
-    bundles built before the words threshold). An opener's context is held to ``opener`` instead, its
-    (last, words) thresholds, where the guard has them (bundles built before them do not)."""
+    bundles built before the words threshold). An opener's context is held to ``opener`` instead of
+    ``last``, where the guard has one (bundles built before it do not)."""
 
     last: float
     earlier: float
     words: float = float("inf")
-    opener: tuple[float, float] | None = None
+    opener: float | None = None
 
     @classmethod
     def of(cls, entry: dict[str, Any]) -> Guard:
         """From a manifest entry written by :func:`calibrate`."""
         words = float(entry.get("words_last_turn", "inf"))
         opener = entry.get("openers")
-        if opener is not None:
-            opener = (float(opener["last_turn"]), float(opener["words_last_turn"]))
+        opener = None if opener is None else float(opener["last_turn"])
         return cls(float(entry["last_turn"]), float(entry["earlier_turns"]), words, opener)
 
     def flags(
@@ -91,13 +91,8 @@ class Guard:
         """Where candidates of these :func:`closeness` and :meth:`WordSets.overlap` ([k] each) restate;
         ``opener``: of an opener's context (one bool, or [k]). One that shares no word never does by
         words (when most human replies share none, the threshold can be 0)."""
-        last_at, words_at = self.last, self.words
-        if self.opener is not None:
-            last_at, words_at = (
-                np.where(opener, self.opener[0], last_at),
-                np.where(opener, self.opener[1], words_at),
-            )
-        return (last >= last_at) | (earlier >= self.earlier) | ((overlap >= words_at) & (overlap > 0))
+        last_at = self.last if self.opener is None else np.where(opener, self.opener, self.last)
+        return (last >= last_at) | (earlier >= self.earlier) | ((overlap >= self.words) & (overlap > 0))
 
 
 def closeness(
@@ -186,8 +181,8 @@ def guard_entry(
     """The guard's manifest entry from :func:`human_closeness`: the ``quantile`` of each closeness and
     the :data:`WORDS_QUANTILE` of the word overlap, and the share of those replies that any drops. With
     ``openers`` ([N] bool: which pairs' contexts are openers) and at least :data:`MIN_OPENERS` of them,
-    also the openers' own last-turn and words thresholds, at the same quantiles of their replies alone,
-    and the share of their replies that the other thresholds would have dropped."""
+    also the openers' own last-turn threshold, the same quantile of their replies' cosines alone, and the
+    share of their replies that the common thresholds would have dropped."""
     check_quantile(quantile)
     guard = Guard(
         float(np.quantile(last, quantile)),
@@ -203,10 +198,8 @@ def guard_entry(
     }
     mine = np.zeros(len(last), dtype=bool) if openers is None else openers
     if mine.sum() >= MIN_OPENERS:
-        own = (float(np.quantile(last[mine], quantile)), float(np.quantile(overlap[mine], WORDS_QUANTILE)))
         entry["openers"] = {
-            "last_turn": round(own[0], 4),
-            "words_last_turn": round(own[1], 4),
+            "last_turn": round(float(np.quantile(last[mine], quantile)), 4),
             "pairs": int(mine.sum()),
             "dropped_by_the_others": round(float(np.mean(guard.flags(last, earlier, overlap)[mine])), 4),
         }
@@ -218,8 +211,8 @@ def guard_entry(
 
 
 def calibrate(encode_responses: EncodeResponses, pairs: Sequence[Any], quantile: float) -> dict[str, Any]:
-    """The guard's manifest entry at ``quantile``, calibrated on held-out ``pairs`` (openers' own
-    thresholds among them)."""
+    """The guard's manifest entry at ``quantile``, calibrated on held-out ``pairs`` (the openers' own
+    threshold among them)."""
     check_quantile(quantile)  # before the encoding
     pairs = list(pairs)[:MAX_PAIRS]
     openers = np.array([is_opener(p.context) for p in pairs], dtype=bool)

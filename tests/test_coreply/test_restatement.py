@@ -86,7 +86,7 @@ def test_openers_get_thresholds_of_their_own_from_the_replies_people_gave_to_ope
     assert own["last_turn"] == pytest.approx((cos(5) + cos(60)) / 2, abs=1e-4)  # the openers' two alone
     assert own["pairs"] == 2 and own["dropped_by_the_others"] == 1.0  # both are over the common threshold
     guard = restatement.Guard.of(entry)
-    assert guard.opener == (own["last_turn"], own["words_last_turn"])
+    assert guard.opener == own["last_turn"] and guard.words == entry["words_last_turn"]
     # 3 of 4 dropped: the later two by their earlier turn (the openers have none: -1 halves that median)
     # and of the openers "ask" alone, "reply one" (cos 60) being under the openers' own threshold
     assert entry["human_replies_dropped"] == 0.75
@@ -96,12 +96,16 @@ def test_openers_get_thresholds_of_their_own_from_the_replies_people_gave_to_ope
 
 def test_an_openers_candidates_are_held_to_the_openers_thresholds():
     retriever = ToyRetriever()
-    guard = restatement.Guard(last=0.4, earlier=COS25, opener=(COS25, float("inf")))
+    guard = restatement.Guard(last=0.4, earlier=COS25, opener=COS25)
     pipeline = Pipeline(retriever, POOL, [normalize(t) for t in POOL], guard=guard)
     opener, later = Query(("question",)), Query(("filler 7", "question"))
     got = pipeline.recall([opener, later], [3, 3])
     assert got[0].ids.tolist() == [1, 2, 3]  # only "ask" (cos 5 degrees) over the opener's threshold
     assert got[1].ids.tolist() == [2, 3, 4]  # "reply one" (cos 60 degrees: 0.5) too, over 0.4
+    words = restatement.Guard(last=0.4, earlier=COS25, words=0.5, opener=COS25)
+    keys = [normalize(t) for t in POOL]
+    got = Pipeline(retriever, POOL, keys, guard=words).recall([Query(("filler 7",))], [6])
+    assert got[0].ids.tolist() == [0, 1, 2, 3, 4]  # the fillers share the opener's word: dropped all the same
 
 
 def test_text_vectors_encode_each_text_once():
