@@ -45,7 +45,7 @@ MAX_PAIRS = 5000
 OPENER_WORDS = 3
 """A context of one turn of at most this many words is an opener (:func:`is_opener`)."""
 MIN_OPENERS = 50
-"""Held-out openers needed to calibrate thresholds of their own (fewer: openers are guarded as the rest)."""
+"""Held-out openers needed to calibrate a threshold of their own (fewer: openers are guarded as the rest)."""
 TURNS = 5
 """Context turns (the last ones) a candidate must not restate; the built-in corpus's contexts hold 5."""
 MARGIN = 5

@@ -61,7 +61,7 @@ def test_calibration_takes_quantiles_of_human_replies_per_position_and_refuses_n
     assert guard["human_replies_dropped"] == 1.0  # each threshold takes half: the closest and the farthest
     assert guard["quantile"] == 0.5 and guard["calibrated_on"] == "4 held-out pairs"
     assert guard["words_last_turn"] == 0.0  # no reply shares a word with "question": none is dropped for it
-    assert "openers" not in guard  # no context is an opener: none has thresholds of its own
+    assert "openers" not in guard  # no context is an opener: they get no threshold of their own
     assert restatement.Guard.of(guard) == restatement.Guard(guard["last_turn"], guard["earlier_turns"], 0.0)
     del guard["words_last_turn"]  # a bundle built before the words threshold: its guard does not count words
     assert restatement.Guard.of(guard).words == float("inf")
