@@ -71,7 +71,7 @@ def main() -> None:
 
     # human replies: the measures every threshold is a quantile of
     held_out = load_chitchat()["valid"][: restatement.MAX_PAIRS]
-    h_last, h_earlier, h_words = restatement.human_closeness(bot.backend.encode_responses, held_out)
+    h_last, h_earlier, h_words, _ = restatement.human_closeness(bot.backend.encode_responses, held_out)
 
     # the candidates, guard off, and each one's measures
     contexts = [p.context for p in pairs]

@@ -17,8 +17,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from bench import (  # bench/bench.py: this script's directory is on sys.path
     provenance,
     refuse_below,
@@ -43,8 +41,7 @@ KINDS = {
 def dropped(guard: restatement.Guard, encode: Any, pairs: list[Pair]) -> dict[str, float]:
     """The share of people's replies in ``pairs`` (%; the first :data:`~coreply.restatement.MAX_PAIRS`)
     that ``guard`` drops, with its opener thresholds and without them."""
-    last, earlier, overlap = restatement.human_closeness(encode, pairs)
-    opener = np.array([restatement.is_opener(p.context) for p in pairs[: len(last)]])
+    last, earlier, overlap, opener = restatement.human_closeness(encode, pairs)
     common = replace(guard, opener=None)
     return {
         "pairs": len(last),

@@ -99,9 +99,9 @@ def sweep(args: argparse.Namespace) -> None:
     if ranking.guard is None:
         raise SystemExit(f"{args.bundle}: this bundle has no restatement guard (rebuild it)")
     splits = load_chitchat()
-    held_out = splits["valid"][: restatement.MAX_PAIRS]  # as a build calibrates: openers' own thresholds too
-    human = restatement.human_closeness(bot.backend.encode_responses, held_out)
-    openers = np.array([restatement.is_opener(p.context) for p in held_out])
+    last, earlier, overlap, openers = restatement.human_closeness(
+        bot.backend.encode_responses, splits["valid"]
+    )
     pairs = splits[args.split][args.start : args.start + args.limit]
     contexts = [p.context for p in pairs]
     gold = [normalize(p.response) for p in pairs]
@@ -115,7 +115,7 @@ def sweep(args: argparse.Namespace) -> None:
     }
     print("gold replies", result["gold"], flush=True)
     for q in args.quantiles:
-        entry = restatement.guard_entry(*human, q, openers)
+        entry = restatement.guard_entry(last, earlier, overlap, q, openers)  # as a build calibrates
         ranking.guard = restatement.Guard.of(entry)
         ranked, top = top_answers(ranking, pairs)
         hits = np.array([r[:1] == [g] for r, g in zip(ranked, gold, strict=True)], dtype=float)
@@ -134,7 +134,7 @@ def sweep(args: argparse.Namespace) -> None:
         "split": args.split,
         "pairs": f"[{args.start}:{args.start + len(pairs)}]",
         "pool": len(ranking.texts),
-        "calibrated_on": f"valid[:{len(human[0])}]",
+        "calibrated_on": f"valid[:{len(last)}]",
         "date": dt.date.today().isoformat(),
         "machine": f"{platform.machine()} {platform.system()}",
     }

@@ -155,10 +155,11 @@ class WordSets:
 
 def human_closeness(
     encode_responses: EncodeResponses, pairs: Sequence[Any]
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The human reply's :func:`closeness` to the last turn and to the earlier turns, and its
-    :meth:`WordSets.overlap` with the last turn ([N] each), over (at most :data:`MAX_PAIRS` of) held-out
-    ``pairs`` (objects with ``context`` and ``response``)."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The human reply's :func:`closeness` to the last turn and to the earlier turns, its
+    :meth:`WordSets.overlap` with the last turn, and whether its context is an opener (:func:`is_opener`)
+    ([N] each), over (at most :data:`MAX_PAIRS` of) held-out ``pairs`` (objects with ``context`` and
+    ``response``): :func:`guard_entry`'s arguments."""
     pairs = list(pairs)[:MAX_PAIRS]
     if not pairs:
         raise ValueError("calibrating the restatement guard needs held-out pairs")
@@ -168,7 +169,7 @@ def human_closeness(
     last, earlier = (np.concatenate(x) for x in zip(*near, strict=True))  # [N] x2
     replies = WordSets([p.response for p in pairs])
     overlap = np.array([replies.overlap(p.context[-1], np.array([i]))[0] for i, p in enumerate(pairs)])  # [N]
-    return last, earlier, overlap
+    return last, earlier, overlap, np.array([is_opener(p.context) for p in pairs], dtype=bool)
 
 
 def guard_entry(
@@ -214,9 +215,8 @@ def calibrate(encode_responses: EncodeResponses, pairs: Sequence[Any], quantile:
     """The guard's manifest entry at ``quantile``, calibrated on held-out ``pairs`` (the openers' own
     threshold among them)."""
     check_quantile(quantile)  # before the encoding
-    pairs = list(pairs)[:MAX_PAIRS]
-    openers = np.array([is_opener(p.context) for p in pairs], dtype=bool)
-    return guard_entry(*human_closeness(encode_responses, pairs), quantile, openers)
+    last, earlier, overlap, openers = human_closeness(encode_responses, pairs)
+    return guard_entry(last, earlier, overlap, quantile, openers)
 
 
 def restating(
