@@ -51,7 +51,7 @@ from coreply.lexical import BM25
 from coreply.lexical import Stage as LexicalStage
 from coreply.prior import Prior
 from coreply.restatement import Guard
-from coreply.text import normalize
+from coreply.text import normalize, says_nothing
 
 if TYPE_CHECKING:  # the ranking stages import torch: loaded where a bundle is served, not to read one
     from coreply.ranking import Allow, Hits, Pipeline
@@ -781,7 +781,8 @@ def pipeline(bundle: Bundle, backend: Any, index: Any = None) -> Pipeline:
     """The bundle's ranking pipeline on ``backend`` (over ``index``, default the bundle's own), with the
     z-score weight, rerank gate and reach and restatement guard it was calibrated with, and the rerank
     stage of :func:`rerank_stage`. Bundles built before the gate have none (every default request
-    reranks), and before the reach none (a default request that reranks reads every candidate)."""
+    reranks), and before the reach none (a default request that reranks reads every candidate). A reply
+    that says nothing (:func:`~coreply.text.says_nothing`: "...", "?") is never answered."""
     from coreply.ranking import ZSCORE_WEIGHT, Pipeline
 
     fusion = bundle.manifest.get("fusion", {})
@@ -811,4 +812,5 @@ def pipeline(bundle: Bundle, backend: Any, index: Any = None) -> Pipeline:
         gate=None if gate is None else float(gate),
         withdrawn=bundle.withdrawn,
         reach=None if reach is None else float(reach),
+        passed_over=frozenset(i for i, text in enumerate(bundle.texts) if says_nothing(text)),
     )

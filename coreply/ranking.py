@@ -183,7 +183,9 @@ class Pipeline:
     as the query carries it. With a restatement ``guard``, recall drops candidates that restate the context
     (:mod:`coreply.restatement`); with a ``lexical`` stage it then reorders them by the words they share
     with it (:mod:`coreply.lexical`). ``withdrawn`` ids are never answered: every search fetches that
-    many more hits and keeps those a pool without them would return."""
+    many more hits and keeps those a pool without them would return. ``passed_over`` ids are never
+    answered either, but dropped from the hits as an echo is, without fetching more: the bundle's replies
+    that say nothing (a deeper search reorders the response prior's tail, results.md §73)."""
 
     def __init__(
         self,
@@ -200,8 +202,10 @@ class Pipeline:
         gate: float | None = None,
         withdrawn: Collection[int] = frozenset(),
         reach: float | None = None,
+        passed_over: Collection[int] = frozenset(),
     ) -> None:
         self.retrieve, self.texts, self.keys, self.withdrawn = retrieve, texts, keys, withdrawn
+        self.passed_over = passed_over
         self._withdrawn_ids = np.fromiter(withdrawn, dtype=np.int64, count=len(withdrawn))  # for masks
         self.score_pairs, self.weight, self.gate, self.reach = score_pairs, weight, gate, reach
         self.select_knowledge, self.reads_knowledge = select_knowledge, reads_knowledge
@@ -298,9 +302,12 @@ class Pipeline:
 
     def _answerable(self, queries: Sequence[Query], ids: np.ndarray, depth: int) -> list[list[int]]:
         """Per query, the positions of its hit ``ids`` [B, depth + withdrawn] that :meth:`Query.keep`
-        allows and, unless the query allows restatements, that do not restate its context (one guard call
-        for all)."""
-        keep = [q.keep(row, self.keys, self.withdrawn, depth) for q, row in zip(queries, ids, strict=True)]
+        allows, that are not passed over and, unless the query allows restatements, that do not restate
+        its context (one guard call for all)."""
+        keep = [
+            [j for j in q.keep(row, self.keys, self.withdrawn, depth) if row[j] not in self.passed_over]
+            for q, row in zip(queries, ids, strict=True)
+        ]
         guarded = [i for i, q in enumerate(queries) if not q.allow_restatements]
         if self.guard is None or self.turn_vectors is None or not guarded:
             return keep

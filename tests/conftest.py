@@ -146,11 +146,15 @@ def guarded_bundle(tmp_path_factory, tiny_core, toy_pairs) -> Path:
 VARIANTS = ["I LOVE PIZZA AND PASTA!!", "i loove pizza and pasta", "Hello!", "helloooo ."]
 """Spelling variants of two toy pool answers ("i love pizza and pasta", "hello")."""
 
+SAYS_NOTHING = ["...", "? !"]
+"""Replies that say nothing (:func:`coreply.text.says_nothing`)."""
+
 
 @pytest.fixture(scope="session")
 def variants_bundle(tmp_path_factory, tiny_core) -> Path:
-    """The tiny CORE models over the toy pool and :data:`VARIANTS` (PyTorch only)."""
-    return tiny_models_over(tmp_path_factory, tiny_core, "variants", [*toy_pool(), *VARIANTS])
+    """The tiny CORE models over the toy pool, :data:`VARIANTS` and :data:`SAYS_NOTHING` (PyTorch only)."""
+    pool = [*toy_pool(), *VARIANTS, *SAYS_NOTHING]
+    return tiny_models_over(tmp_path_factory, tiny_core, "variants", pool)
 
 
 LEXICAL_WEIGHT = 0.4

@@ -1,7 +1,7 @@
 import pytest
 
 from coreply.corpus import build_pool, chitchat_turns, load_chitchat, pairs_from_turns, responses_of, split_of
-from coreply.text import normalize, variant_key
+from coreply.text import normalize, says_nothing, variant_key
 
 
 def msg(sender: str, text: str) -> dict:
@@ -74,3 +74,11 @@ def test_pool_deduplicates_by_normalised_text_and_keeps_first_spelling_in_order(
 )
 def test_spelling_variants_share_a_key_and_other_answers_do_not(a, b, same):
     assert (variant_key(a) == variant_key(b)) is same
+
+
+@pytest.mark.parametrize(
+    ("text", "empty"),
+    [("...", True), ("?", True), ("! ? …", True), ("", True), (":)", False), ("?!a", False), ("1.", False)],
+)
+def test_a_reply_of_nothing_but_the_marks_that_end_a_sentence_says_nothing(text, empty):
+    assert says_nothing(text) is empty

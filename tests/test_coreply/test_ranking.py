@@ -105,3 +105,19 @@ def test_pipeline_over_fetches_so_filtered_hits_do_not_shorten_the_list():
     assert [c.rerank.tolist() for c in got] == [[0.0, 0.0], [0.0, 0.0]]  # only the first n_r = 2
     got = rank(3)
     assert [c.ids[order(c, "rerank", 3)[0]].tolist() for c in got] == [[2, 0, 1], [2, 3, 1]]
+
+
+def test_passed_over_ids_are_never_candidates_and_the_search_is_not_widened_for_them():
+    """Unlike a withdrawn id, a passed-over one (a reply that says nothing) costs no deeper search, which
+    would let the response prior reorder the tail (results.md §73): the same k is asked for, and the
+    other candidates keep their order."""
+    asked = []
+
+    def retrieve(contexts, k):
+        asked.append(k)
+        return Hits(np.array([[0, 1, 2, 3, 4, 5][:k]]), -np.arange(k, dtype=float)[None])
+
+    plain = Pipeline(retrieve, POOL, KEYS).recall([Query(("x",))], [4])[0]
+    passing = Pipeline(retrieve, POOL, KEYS, passed_over={1}).recall([Query(("x",))], [4])[0]
+    assert asked[0] == asked[1] and plain.ids.tolist() == [0, 1, 2, 3]
+    assert passing.ids.tolist() == [0, 2, 3, 4]

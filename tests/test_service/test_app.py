@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from conftest import TOPICS, Gate
+from conftest import SAYS_NOTHING, TOPICS, Gate
 from fastapi.testclient import TestClient
 
 from coreply.bundle import load_bundle
@@ -241,6 +241,21 @@ def test_answers_are_distinct_unless_a_request_allows_spelling_variants(variants
         assert got["reranked"] == 2 and got["responses"][1]["rerank_score"] is None  # from past the reach
         bad = post(c, context=["hello"], allow_variants="yes")
         assert bad.status_code == 422 and "allow_variants" in bad.text
+
+
+def test_a_reply_that_says_nothing_is_never_an_answer(variants_bundle):
+    """Asked for every candidate, neither the service nor the library answers with a reply that is only
+    "..." or "? !"; every other reply of the pool comes back, and /readyz counts none withdrawn."""
+    bot = Responder.load(variants_bundle, backend="torch")
+    n = len(bot.bundle.texts)
+    silent = {i for i, text in enumerate(bot.bundle.texts) if text in SAYS_NOTHING}
+    assert len(silent) == len(SAYS_NOTHING)
+    with TestClient(create_app(Settings(bundle=variants_bundle, threads=1, backend="torch"))) as c:
+        assert c.get("/readyz").json()["withdrawn"] == 0
+        for context in (["why?"], ["so what now"]):  # neither is a pool text (an echo)
+            got = post(c, context=context, top_k=n, n_candidates=n, allow_variants=True).json()["responses"]
+            assert [r["id"] for r in got] == [r.id for r in bot.respond(context, n, n, allow_variants=True)]
+            assert len(got) == n - len(silent) and not silent & {r["id"] for r in got}
 
 
 def test_the_service_serves_a_lexical_stage_like_the_library_and_reports_it(lexical_bundle):
