@@ -88,15 +88,24 @@ class Query:
         return n + len(self.context) + len(self.exclude_texts) + len(self.exclude_ids)
 
     def keep(
-        self, ids: np.ndarray, keys: Sequence[str], withdrawn: Collection[int] = (), depth: int | None = None
+        self,
+        ids: np.ndarray,
+        keys: Sequence[str],
+        withdrawn: Collection[int] = (),
+        depth: int | None = None,
+        passed_over: Collection[int] = (),
     ) -> list[int]:
         """Positions in ``ids`` that may be answered: among the first ``depth`` hits that are neither
         padding (-1) nor ``withdrawn`` (the hits a pool without the withdrawn responses would return),
-        those that are not an excluded id, nor the normalised text of a context turn (an echo) or of an
-        excluded text."""
+        those that are not an excluded or ``passed_over`` id, nor the normalised text of a context turn
+        (an echo) or of an excluded text."""
         blocked = {normalize(t) for t in (*self.context, *self.exclude_texts)}
         live = [(j, i) for j, i in enumerate(ids.tolist()) if i >= 0 and i not in withdrawn][:depth]
-        return [j for j, i in live if keys[i] not in blocked and i not in self.exclude_ids]
+        return [
+            j
+            for j, i in live
+            if keys[i] not in blocked and i not in self.exclude_ids and i not in passed_over
+        ]
 
 
 @dataclass
@@ -305,7 +314,7 @@ class Pipeline:
         allows, that are not passed over and, unless the query allows restatements, that do not restate
         its context (one guard call for all)."""
         keep = [
-            [j for j in q.keep(row, self.keys, self.withdrawn, depth) if row[j] not in self.passed_over]
+            q.keep(row, self.keys, self.withdrawn, depth, self.passed_over)
             for q, row in zip(queries, ids, strict=True)
         ]
         guarded = [i for i, q in enumerate(queries) if not q.allow_restatements]
